@@ -1,0 +1,191 @@
+"""The backend contract: device pointers, block-region tables and the GpuBackend protocol.
+
+A backend is the only thing that knows what memory is. The cache asks it for
+allocations, memsets, copies and three block kernels (fill, copy, BF16 reduction), all
+addressed through a `BlockRegions` table: one row per (layer, side) pool giving its base
+address, its block stride and the bytes of one block. A block kernel call works on every
+row (or one row, for the reduction) for a list of block indices, in one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+class DevicePtr(int):
+    """A device address: an int with `offset()`, `is_null` and a hex repr."""
+
+    __slots__ = ()
+
+    def __new__(cls, address: int = 0) -> "DevicePtr":
+        if isinstance(address, bool) or not isinstance(address, (int, np.integer)):
+            raise TypeError(f"a device address must be an int, got {address!r}")
+        if address < 0:
+            raise ValueError(f"a device address cannot be negative, got {address}")
+        return super().__new__(cls, int(address))
+
+    def offset(self, nbytes: int) -> "DevicePtr":
+        """The address `nbytes` further on (negative goes back; below zero raises)."""
+        return DevicePtr(int(self) + int(nbytes))
+
+    @property
+    def is_null(self) -> bool:
+        """True for address 0."""
+        return int(self) == 0
+
+    def __repr__(self) -> str:
+        return f"DevicePtr(0x{int(self):x})"
+
+
+NULL = DevicePtr(0)
+"""The null device address."""
+
+
+class Bf16Stats(NamedTuple):
+    """Sum, sum of squares and sum of absolute values of BF16 values, accumulated in float64."""
+
+    sum: float
+    ssq: float
+    sabs: float
+
+
+@dataclass
+class BlockRegions:
+    """A table of pools addressed by block index: row r covers block b at
+    `bases[r] + b * strides[r]`, `nbytes[r]` bytes long.
+
+    Made by `GpuBackend.create_block_regions` and released by `destroy_block_regions`;
+    `device_table` is the backend's own copy (a device buffer on CUDA, None on the host).
+    """
+
+    bases: np.ndarray
+    strides: np.ndarray
+    nbytes: np.ndarray
+    device_table: Any = field(default=None)
+
+    def __len__(self) -> int:
+        return len(self.bases)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[int, int, int]]) -> "BlockRegions":
+        """Validate `(base, stride, nbytes)` rows into a host-side table (no device copy yet)."""
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 3) if len(rows) else np.zeros((0, 3), np.int64)
+        for r, (base, stride, nbytes) in enumerate(table.tolist()):
+            if base <= 0:
+                raise ValueError(f"region {r}: base address must be non-null, got {base:#x}")
+            if nbytes <= 0 or stride < nbytes:
+                raise ValueError(
+                    f"region {r}: need 0 < nbytes <= stride, got nbytes {nbytes}, stride {stride}"
+                )
+        return cls(
+            bases=table[:, 0].copy(), strides=table[:, 1].copy(), nbytes=table[:, 2].copy()
+        )
+
+
+def as_block_array(blocks: Sequence[int] | np.ndarray, what: str = "blocks") -> np.ndarray:
+    """`blocks` as a 1-D int64 array of non-negative indices; ValueError names a bad entry."""
+    arr = np.asarray(blocks)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must be a 1-D sequence of ints, got {blocks!r}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.min() < 0:
+        raise ValueError(f"{what} holds a negative block index {int(arr.min())}")
+    return arr
+
+
+def check_copy_pairs(src: np.ndarray, dst: np.ndarray) -> None:
+    """Refuse block-copy pairs a parallel copy would race on: unequal lengths, a repeated
+    destination, a block that is both a source and a destination."""
+    if src.size != dst.size:
+        raise ValueError(f"copy_blocks needs as many src as dst blocks, got {src.size} and {dst.size}")
+    if np.unique(dst).size != dst.size:
+        raise ValueError(f"copy_blocks destinations repeat: {dst.tolist()}")
+    both = np.intersect1d(src, dst)
+    if both.size:
+        raise ValueError(f"copy_blocks blocks {both.tolist()} are both a source and a destination")
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """What PagedKvCache needs from a device. `HostBackend` and `CudaBackend` implement it.
+
+    Host buffers are bytes-like objects or numpy arrays. Streams are opaque int handles;
+    `*_async` and kernel calls are ordered on their stream, and `synchronize` waits for it.
+    """
+
+    def alloc(self, nbytes: int) -> DevicePtr:
+        """Allocate `nbytes` (> 0) of device memory, contents undefined."""
+        ...
+
+    def free(self, ptr: DevicePtr) -> None:
+        """Free an allocation made by `alloc`; an unknown pointer or a double free raises."""
+        ...
+
+    def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
+        """Set `nbytes` bytes at `ptr` to the byte `value` (0..255)."""
+        ...
+
+    def copy_h2d(self, src: Any, dst: DevicePtr) -> None:
+        """Copy every byte of host buffer `src` to `dst`; returns when done."""
+        ...
+
+    def copy_d2h(self, src: DevicePtr, dst: Any) -> None:
+        """Fill writable host buffer `dst` from `src` (len(dst) bytes); returns when done."""
+        ...
+
+    def copy_d2d(self, src: DevicePtr, dst: DevicePtr, nbytes: int, stream: int) -> None:
+        """Copy `nbytes` from `src` to `dst` on `stream`."""
+        ...
+
+    def synchronize(self, stream: int) -> None:
+        """Wait until all work enqueued on `stream` has finished."""
+        ...
+
+    def default_stream(self) -> int:
+        """The handle of the default stream."""
+        ...
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
+        ...
+
+    def create_stream(self) -> int:
+        """A new stream handle, to be destroyed with `destroy_stream`."""
+        ...
+
+    def destroy_stream(self, stream: int) -> None:
+        """Destroy a stream made by `create_stream` (after its work has finished)."""
+        ...
+
+    def create_block_regions(self, rows: Sequence[tuple[int, int, int]]) -> BlockRegions:
+        """Make a region table from `(base, stride, nbytes)` rows, uploaded once to the device."""
+        ...
+
+    def destroy_block_regions(self, regions: BlockRegions) -> None:
+        """Release what `create_block_regions` allocated for `regions`."""
+        ...
+
+    def fill_blocks(
+        self, regions: BlockRegions, blocks: Sequence[int], value: int, stream: int
+    ) -> None:
+        """Set every byte of every listed block in every region to `value`, in one launch."""
+        ...
+
+    def copy_blocks(
+        self, regions: BlockRegions, src: Sequence[int], dst: Sequence[int], stream: int
+    ) -> None:
+        """Copy block `src[i]` over block `dst[i]` in every region, in one launch.
+        No `dst` may repeat or appear in `src`."""
+        ...
+
+    def reduce_bf16_blocks(
+        self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int
+    ) -> Bf16Stats:
+        """Sum, sum of squares and sum of |x| over the BF16 values of the listed blocks of
+        region `region`, in float64, deterministic; returns when the result is on the host."""
+        ...

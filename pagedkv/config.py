@@ -1,0 +1,189 @@
+"""KvCacheConfig: the geometry of a paged KV cache and the byte size of its blocks (pure arithmetic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Shape and storage format of a paged KV cache.
+
+    Layer `i` uses `layer_dtypes[i]` and `layer_dims[i]` (a `(num_kv_heads, head_dim)` pair)
+    when `i` is below that sequence's length, else the global `dtype` / dims. Under
+    `v_aliases_k` the V pool of every layer is its K pool (no V bytes exist).
+    `cache_blocks_per_seq`, when set, is the sliding-window length in blocks.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    dtype: KvCacheDtype | str
+    layer_dtypes: tuple = ()
+    layer_dims: tuple = ()
+    cache_blocks_per_seq: int | None = None
+    v_aliases_k: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_heads", "head_dim", "num_layers"):
+            _positive_int(name, getattr(self, name))
+        object.__setattr__(self, "dtype", KvCacheDtype.parse(self.dtype))
+        dtypes = tuple(KvCacheDtype.parse(d) for d in self.layer_dtypes)
+        dims = tuple(self._parse_dims(i, d) for i, d in enumerate(self.layer_dims))
+        object.__setattr__(self, "layer_dtypes", dtypes)
+        object.__setattr__(self, "layer_dims", dims)
+        if len(dtypes) > self.num_layers:
+            raise ValueError(
+                f"layer_dtypes has {len(dtypes)} entries but num_layers is {self.num_layers}"
+            )
+        if len(dims) > self.num_layers:
+            raise ValueError(f"layer_dims has {len(dims)} entries but num_layers is {self.num_layers}")
+        if self.cache_blocks_per_seq is not None:
+            _positive_int("cache_blocks_per_seq", self.cache_blocks_per_seq)
+        if not isinstance(self.v_aliases_k, bool):
+            raise ValueError(f"v_aliases_k must be a bool, got {self.v_aliases_k!r}")
+        for layer in range(self.num_layers):
+            self._validate_layer(layer)
+
+    @staticmethod
+    def _parse_dims(layer: int, dims: object) -> tuple[int, int]:
+        try:
+            heads, head_dim = dims  # type: ignore[misc]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"layer_dims[{layer}] must be a (num_kv_heads, head_dim) pair, got {dims!r}"
+            ) from None
+        return (
+            _positive_int(f"layer_dims[{layer}] num_kv_heads", heads),
+            _positive_int(f"layer_dims[{layer}] head_dim", head_dim),
+        )
+
+    def _validate_layer(self, layer: int) -> None:
+        fmt = self.dtype_for_layer(layer)
+        if self.v_aliases_k and fmt.is_asymmetric():
+            raise ValueError(f"layer {layer}: v_aliases_k needs one format for K and V, got {fmt}")
+        elements = self.elements_per_block_side(layer)
+        if fmt.is_grouped() and elements % 16:
+            heads, head_dim = self.dims_for_layer(layer)
+            raise ValueError(
+                f"layer {layer}: {fmt} stores 16-element groups but a block side holds "
+                f"{elements} elements (block_size {self.block_size} x {heads} heads x head_dim "
+                f"{head_dim}), not a multiple of 16"
+            )
+
+    def _check_layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer index must be an int, got {layer!r}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for a cache of {self.num_layers} layers")
+        return layer
+
+    def dtype_for_layer(self, layer: int) -> KvCacheDtype:
+        """The storage format of `layer`."""
+        self._check_layer(layer)
+        return self.layer_dtypes[layer] if layer < len(self.layer_dtypes) else self.dtype
+
+    def dims_for_layer(self, layer: int) -> tuple[int, int]:
+        """`(num_kv_heads, head_dim)` of `layer`."""
+        self._check_layer(layer)
+        if layer < len(self.layer_dims):
+            return self.layer_dims[layer]
+        return (self.num_kv_heads, self.head_dim)
+
+    def elements_per_block_side(self, layer: int) -> int:
+        """Values in one block side of `layer`: block_size * num_kv_heads * head_dim."""
+        heads, head_dim = self.dims_for_layer(layer)
+        return self.block_size * heads * head_dim
+
+    def k_block_bytes_for_layer(self, layer: int) -> int:
+        """Bytes of one K block of `layer` in its K side format."""
+        k, _ = self.dtype_for_layer(layer).kv_pair()
+        return side_bytes(k, self.elements_per_block_side(layer))
+
+    def v_block_bytes_for_layer(self, layer: int) -> int:
+        """Bytes of one V block of `layer` in its V side format (0 under `v_aliases_k`)."""
+        if self.v_aliases_k:
+            return 0
+        _, v = self.dtype_for_layer(layer).kv_pair()
+        return side_bytes(v, self.elements_per_block_side(layer))
+
+    def block_bytes_for_layer(self, layer: int) -> int:
+        """Bytes of one block of `layer`, K side (the seed's meaning)."""
+        return self.k_block_bytes_for_layer(layer)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block side for the global dtype and dims: the K side of an asymmetric dtype."""
+        k, _ = self.dtype.kv_pair()
+        return side_bytes(k, self.cache_stride_elements())
+
+    def block_bytes_kv(self) -> int:
+        """Exactly twice `block_bytes()`: one K and one V block of the global dtype, V assumed
+        the K side's size (use `block_bytes_kv_all_layers` for real per-layer, per-side totals)."""
+        return 2 * self.block_bytes()
+
+    def block_bytes_kv_all_layers(self) -> int:
+        """Bytes one block index costs across every layer: K + V each from the layer's own dims
+        and side format, K only under `v_aliases_k`."""
+        return sum(
+            self.k_block_bytes_for_layer(layer) + self.v_block_bytes_for_layer(layer)
+            for layer in range(self.num_layers)
+        )
+
+    def cache_stride_elements(self) -> int:
+        """block_size * num_kv_heads * head_dim of the global dims."""
+        return self.block_size * self.num_kv_heads * self.head_dim
+
+    def nvfp4_data_bytes(self) -> int:
+        """nvfp4 data bytes of one block side at the global dims (e/2)."""
+        return side_data_bytes(KvCacheDtype.NVFP4, self.cache_stride_elements())
+
+    def nvfp4_scale_bytes(self) -> int:
+        """nvfp4 scale bytes of one block side at the global dims (e/16)."""
+        return side_scale_bytes(KvCacheDtype.NVFP4, self.cache_stride_elements())
+
+    def turbo4_data_bytes(self) -> int:
+        """turbo4 data bytes of one block side at the global dims (e/2)."""
+        return side_data_bytes(KvCacheDtype.TURBO4, self.cache_stride_elements())
+
+    def turbo4_scale_bytes(self) -> int:
+        """turbo4 scale bytes of one block side at the global dims (e/16)."""
+        return side_scale_bytes(KvCacheDtype.TURBO4, self.cache_stride_elements())
+
+    def turbo3_data_bytes(self) -> int:
+        """turbo3 data bytes of one block side at the global dims (3e/8)."""
+        return side_data_bytes(KvCacheDtype.TURBO3, self.cache_stride_elements())
+
+    def turbo3_scale_bytes(self) -> int:
+        """turbo3 scale bytes of one block side at the global dims (e/16)."""
+        return side_scale_bytes(KvCacheDtype.TURBO3, self.cache_stride_elements())
+
+    def turbo2_data_bytes(self) -> int:
+        """turbo2 data bytes of one block side at the global dims (e/4)."""
+        return side_data_bytes(KvCacheDtype.TURBO2, self.cache_stride_elements())
+
+    def turbo2_scale_bytes(self) -> int:
+        """turbo2 scale bytes of one block side at the global dims (e/16)."""
+        return side_scale_bytes(KvCacheDtype.TURBO2, self.cache_stride_elements())
+
+    def turbo8_data_bytes(self) -> int:
+        """turbo8 data bytes of one block side at the global dims (e)."""
+        return side_data_bytes(KvCacheDtype.TURBO8, self.cache_stride_elements())
+
+    def turbo8_scale_bytes(self) -> int:
+        """turbo8 scale bytes of one block side at the global dims (2e/16: BF16 scales)."""
+        return side_scale_bytes(KvCacheDtype.TURBO8, self.cache_stride_elements())
+
+    def has_mixed_formats(self) -> bool:
+        """True when layers differ in format or dims, or a format is asymmetric."""
+        fmts = {self.dtype_for_layer(layer) for layer in range(self.num_layers)}
+        dims = {self.dims_for_layer(layer) for layer in range(self.num_layers)}
+        return len(fmts) > 1 or len(dims) > 1 or any(f.is_asymmetric() for f in fmts)

@@ -1,0 +1,245 @@
+"""HostBackend: the GpuBackend contract on host RAM with numpy, strict where a GPU is silent.
+
+It is the backend of machines without a GPU, the reference the GPU tests compare
+against, and a checker: an unknown pointer, a range past its allocation, a double free, an
+unknown stream or an allocation beyond `capacity_bytes` raise instead of corrupting.
+Work runs at once, so every stream is always synchronised.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Sequence
+
+import numpy as np
+
+from .backend import Bf16Stats, BlockRegions, DevicePtr, as_block_array, check_copy_pairs
+from .errors import DeviceMemoryError, DeviceOutOfMemory
+
+ALIGNMENT = 256
+"""Every HostBackend allocation starts on a multiple of this many bytes."""
+
+_FIRST_ADDRESS = 0x7F00_0000_0000  # far from 0 and from small ints mistaken for pointers
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _host_bytes(buf: Any, writable: bool) -> np.ndarray:
+    """A flat uint8 view of a bytes-like object or numpy array (no copy)."""
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"host buffer must support the buffer protocol, got {type(buf).__name__}") from None
+    if writable and view.readonly:
+        raise ValueError("destination host buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("host buffer must be C-contiguous")
+    return np.frombuffer(view.cast("B"), dtype=np.uint8)
+
+
+class HostBackend:
+    """Device memory emulated in host RAM; addresses are unique, non-zero, 256-byte aligned
+    and never reused, so a stale pointer is caught as unknown."""
+
+    def __init__(self, capacity_bytes: int = 8 << 30):
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self._capacity = capacity_bytes
+        self._used = 0
+        self._next_address = _FIRST_ADDRESS
+        self._bases: list[int] = []  # sorted allocation bases
+        self._arrays: dict[int, np.ndarray] = {}
+        self._streams = {0}
+        self._next_stream = 1
+
+    # -- memory ---------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> DevicePtr:
+        """Allocate `nbytes` zero-filled bytes; DeviceOutOfMemory beyond the capacity."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
+        nbytes = int(nbytes)
+        free = self._capacity - self._used
+        if nbytes > free:
+            raise DeviceOutOfMemory(
+                f"HostBackend out of memory: asked {nbytes} bytes ({_gib(nbytes)}), "
+                f"{free} bytes ({_gib(free)}) free of {self._capacity}"
+            )
+        base = self._next_address
+        self._next_address += -(-nbytes // ALIGNMENT) * ALIGNMENT + ALIGNMENT  # guard gap
+        self._arrays[base] = np.zeros(nbytes, dtype=np.uint8)
+        bisect.insort(self._bases, base)
+        self._used += nbytes
+        return DevicePtr(base)
+
+    def free(self, ptr: DevicePtr) -> None:
+        """Free the allocation starting at `ptr`; anything else raises DeviceMemoryError."""
+        base = int(ptr)
+        arr = self._arrays.pop(base, None)
+        if arr is None:
+            inside = self._find(base)
+            what = "not the start of an allocation" if inside is not None else "unknown or already freed"
+            raise DeviceMemoryError(f"free of {DevicePtr(base)!r}: {what}")
+        self._bases.remove(base)
+        self._used -= arr.nbytes
+
+    def _find(self, address: int) -> int | None:
+        i = bisect.bisect_right(self._bases, address) - 1
+        if i >= 0:
+            base = self._bases[i]
+            if address < base + self._arrays[base].nbytes:
+                return base
+        return None
+
+    def view(self, ptr: DevicePtr, nbytes: int) -> np.ndarray:
+        """The `nbytes` bytes at `ptr` as a writable uint8 array; raises past an allocation's end."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ValueError(f"byte count must be a non-negative int, got {nbytes!r}")
+        address = int(ptr)
+        base = self._find(address)
+        if base is None:
+            raise DeviceMemoryError(f"{DevicePtr(address)!r} is not inside any live allocation")
+        arr = self._arrays[base]
+        start = address - base
+        if start + nbytes > arr.nbytes:
+            raise DeviceMemoryError(
+                f"range {DevicePtr(address)!r} + {nbytes} bytes runs {start + nbytes - arr.nbytes} "
+                f"bytes past the end of the {arr.nbytes}-byte allocation at {DevicePtr(base)!r}"
+            )
+        return arr[start : start + nbytes]
+
+    def live_allocations(self) -> int:
+        """How many allocations are live now."""
+        return len(self._arrays)
+
+    def live_bytes(self) -> int:
+        """How many bytes are allocated now."""
+        return self._used
+
+    def mem_info(self) -> tuple[int, int]:
+        """(capacity minus live bytes, capacity)."""
+        return self._capacity - self._used, self._capacity
+
+    # -- streams --------------------------------------------------------------------
+
+    def default_stream(self) -> int:
+        """Stream 0."""
+        return 0
+
+    def create_stream(self) -> int:
+        """A new stream handle."""
+        handle = self._next_stream
+        self._next_stream += 1
+        self._streams.add(handle)
+        return handle
+
+    def destroy_stream(self, stream: int) -> None:
+        """Forget `stream`; the default stream and unknown handles raise ValueError."""
+        if stream == 0 or stream not in self._streams:
+            raise ValueError(f"cannot destroy stream {stream!r}: not a stream made by create_stream")
+        self._streams.discard(stream)
+
+    def _check_stream(self, stream: int) -> None:
+        if stream not in self._streams:
+            raise ValueError(f"unknown stream {stream!r}")
+
+    def synchronize(self, stream: int) -> None:
+        """Nothing to wait for (work runs at once); validates the handle."""
+        self._check_stream(stream)
+
+    # -- copies and memset ----------------------------------------------------------
+
+    def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
+        """Set `nbytes` bytes at `ptr` to `value`."""
+        self._check_stream(stream)
+        self.view(ptr, nbytes)[:] = _byte_value(value)
+
+    def copy_h2d(self, src: Any, dst: DevicePtr) -> None:
+        """Copy host buffer `src` to `dst`."""
+        data = _host_bytes(src, writable=False)
+        self.view(dst, data.nbytes)[:] = data
+
+    def copy_d2h(self, src: DevicePtr, dst: Any) -> None:
+        """Fill host buffer `dst` from `src`."""
+        out = _host_bytes(dst, writable=True)
+        out[:] = self.view(src, out.nbytes)
+
+    def copy_d2d(self, src: DevicePtr, dst: DevicePtr, nbytes: int, stream: int) -> None:
+        """Copy `nbytes` from `src` to `dst` (overlap behaves as memmove)."""
+        self._check_stream(stream)
+        data = self.view(src, nbytes).copy()
+        self.view(dst, nbytes)[:] = data
+
+    # -- block kernels --------------------------------------------------------------
+
+    def create_block_regions(self, rows: Sequence[tuple[int, int, int]]) -> BlockRegions:
+        """A region table; the host needs no device copy."""
+        return BlockRegions.from_rows(rows)
+
+    def destroy_block_regions(self, regions: BlockRegions) -> None:
+        """Nothing to release on the host."""
+
+    def _region_blocks(self, regions: BlockRegions, r: int, blocks: np.ndarray) -> np.ndarray:
+        """A `[max block + 1, nbytes]` view of region `r` (non-empty `blocks`), bounds-checked
+        against its allocation."""
+        stride, nbytes = int(regions.strides[r]), int(regions.nbytes[r])
+        count = int(blocks.max()) + 1
+        whole = self.view(DevicePtr(int(regions.bases[r])), (count - 1) * stride + nbytes)
+        return np.lib.stride_tricks.as_strided(
+            whole, shape=(count, nbytes), strides=(stride, 1), writeable=True
+        )
+
+    def fill_blocks(self, regions: BlockRegions, blocks: Sequence[int], value: int, stream: int) -> None:
+        """Set every byte of the listed blocks in every region to `value`."""
+        self._check_stream(stream)
+        byte = _byte_value(value)
+        idx = as_block_array(blocks)
+        if idx.size == 0:
+            return
+        for r in range(len(regions)):
+            self._region_blocks(regions, r, idx)[idx] = byte
+
+    def copy_blocks(
+        self, regions: BlockRegions, src: Sequence[int], dst: Sequence[int], stream: int
+    ) -> None:
+        """Copy block `src[i]` over `dst[i]` in every region."""
+        self._check_stream(stream)
+        s = as_block_array(src, "src")
+        d = as_block_array(dst, "dst")
+        check_copy_pairs(s, d)
+        if s.size == 0:
+            return
+        top = np.concatenate([s, d])
+        for r in range(len(regions)):
+            view = self._region_blocks(regions, r, top)
+            view[d] = view[s]
+
+    def reduce_bf16_blocks(
+        self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int
+    ) -> Bf16Stats:
+        """Float64 sum, sum of squares and sum of |x| of the BF16 values in the listed blocks."""
+        self._check_stream(stream)
+        if not 0 <= region < len(regions):
+            raise IndexError(f"region {region} out of range for a table of {len(regions)} regions")
+        if int(regions.nbytes[region]) % 2:
+            raise ValueError(f"region {region} has an odd block size {int(regions.nbytes[region])}: not BF16")
+        idx = as_block_array(blocks)
+        if idx.size == 0:
+            return Bf16Stats(0.0, 0.0, 0.0)
+        raw = np.ascontiguousarray(self._region_blocks(regions, region, idx)[idx])
+        values = bf16_bytes_to_float64(raw)
+        return Bf16Stats(float(values.sum()), float((values * values).sum()), float(np.abs(values).sum()))
+
+
+def bf16_bytes_to_float64(raw: np.ndarray) -> np.ndarray:
+    """Little-endian BF16 bytes as float64 values (exact: BF16 widens losslessly)."""
+    bits = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype="<u2").astype(np.uint32) << 16
+    return bits.view(np.float32).astype(np.float64)
+
+
+def _byte_value(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 255:
+        raise ValueError(f"fill value must be a byte 0..255, got {value!r}")
+    return int(value)
