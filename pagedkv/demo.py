@@ -1,0 +1,194 @@
+"""`pagedkv demo`: the main job end to end on the best backend present, with checks.
+
+It builds a model-shaped cache, runs a small serving-like cycle (sequences allocating,
+sharing blocks by reference, freeing), zeroes and poisons blocks, writes and reads KV back,
+runs the checksum diagnostics, builds a hybrid cache of mixed formats and dims, and
+releases everything. Each step is a check; the exit status is non-zero if any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import structlog
+
+from .backend import GpuBackend
+from .cache import POISON_BYTE, PagedKvCache
+from .config import KvCacheConfig
+from .host_backend import HostBackend, bf16_bytes_to_float64
+from .teardown import Teardown
+
+
+def best_backend() -> tuple[GpuBackend, str]:
+    """A CudaBackend when a CUDA GPU is usable, else a HostBackend; with a sentence saying which."""
+    try:
+        from . import driver
+    except ImportError:
+        driver = None
+    is_available = getattr(driver, "is_available", None)
+    if is_available is not None and is_available():
+        gpu = driver.CudaBackend()
+        return gpu, f"CudaBackend on {gpu.device_name()}"
+    return HostBackend(capacity_bytes=4 << 30), "HostBackend (no CUDA GPU found: device memory emulated in host RAM)"
+
+
+class Checks:
+    """Runs named checks, printing `[ok]` or `[FAIL]` with the reason, and counts them."""
+
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failed = 0
+
+    def run(self, name: str, check: Callable[[], str | None]) -> None:
+        """Run `check`; it returns a detail string, or raises/asserts on failure."""
+        try:
+            detail = check()
+        except Exception as err:  # noqa: BLE001 - a demo reports every failure and goes on
+            self.failed += 1
+            print(f"  [FAIL] {name}: {type(err).__name__}: {err}")
+            return
+        self.passed += 1
+        print(f"  [ok]   {name}" + (f": {detail}" if detail else ""))
+
+
+def _bf16_block(rng: np.random.Generator, nbytes: int) -> np.ndarray:
+    values = rng.standard_normal(nbytes // 2).astype(ml_dtypes.bfloat16)
+    return values.view(np.uint8)
+
+
+def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Checks) -> None:
+    rng = np.random.default_rng(0)
+    tables: dict[str, list[int]] = {}
+
+    def allocate() -> str:
+        tables["a"] = cache.alloc_blocks(4)
+        tables["b"] = tables["a"][:2] + cache.alloc_blocks(2)  # b shares a's 2-block prefix
+        for block in tables["a"][:2]:
+            cache.inc_ref(block)
+        cache.init_blocks(tables["a"] + tables["b"][2:], gpu, stream)
+        shared = [cache.ref_count(b) for b in tables["a"][:2]]
+        assert shared == [2, 2], f"shared prefix counts {shared}, expected [2, 2]"
+        assert cache.num_free_blocks() == cache.num_blocks() - 6
+        return f"seq a {tables['a']}, seq b {tables['b']} (2 blocks shared, count 2)"
+
+    written: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def write_read() -> str:
+        for layer in range(cache.num_layers()):
+            for block in tables["a"]:
+                k = _bf16_block(rng, cache.k_block_stride_bytes_for_layer(layer))
+                v = _bf16_block(rng, cache.v_block_stride_bytes_for_layer(layer))
+                cache.write_block(layer, block, k, v, gpu)
+                written[layer, block] = (k, v)
+        gpu.synchronize(stream)
+        for (layer, block), (k, v) in written.items():
+            got_k, got_v = cache.read_block(layer, block, gpu)
+            assert np.array_equal(got_k, k) and np.array_equal(got_v, v), f"layer {layer} block {block} differs"
+        return f"{len(written)} (layer, block) pairs of random BF16 K and V read back byte-exact"
+
+    def checksum() -> str:
+        blocks = tables["a"]
+        with structlog.testing.capture_logs() as events:
+            cache.debug_kv_checksum_per_layer(blocks, 2, gpu, stream, tag="demo")
+        events = [e for e in events if e["event"] == "kv_checksum"]
+        for event in events:
+            region = blocks[:2] if event["region"] == "prefix" else blocks[2:]
+            side = 0 if event["side"] == "K" else 1
+            values = np.concatenate([bf16_bytes_to_float64(written[event["layer"], b][side]) for b in region])
+            expected = (values.sum(), (values * values).sum(), np.abs(values).sum())
+            got = (event["sum"], event["ssq"], event["sabs"])
+            assert np.allclose(got, expected, rtol=1e-12, atol=1e-9), f"{event}: expected {expected}"
+        assert len(events) == cache.num_layers() * 2 * 2, f"{len(events)} checksum events"
+        return f"{len(events)} kv_checksum events agree with float64 sums of the data written"
+
+    def poison_and_free() -> str:
+        freed = tables["b"][2:]
+        cache.free_blocks(tables["b"])
+        cache.poison_blocks(freed, gpu, stream)
+        gpu.synchronize(stream)
+        k, v = cache.read_block(cache.num_layers() - 1, freed[0], gpu)
+        assert (k == POISON_BYTE).all() and (v == POISON_BYTE).all(), "poisoned block not all 0xFF"
+        assert [cache.ref_count(b) for b in tables["a"][:2]] == [1, 1]
+        cache.free_blocks(tables["a"])
+        cache.check_invariants()
+        assert cache.num_free_blocks() == cache.num_blocks(), "blocks leaked"
+        reused = cache.alloc_block()
+        assert reused == tables["a"][0], f"LIFO reuse gave {reused}"
+        cache.free_block(reused)
+        return "all blocks back on the free list, poisoned blocks read 0xFF, LIFO reuse"
+
+    checks.run("allocate and share", allocate)
+    checks.run("write and read back", write_read)
+    checks.run("checksum diagnostics", checksum)
+    checks.run("poison and free", poison_and_free)
+
+
+def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
+    config = KvCacheConfig(
+        block_size=16, num_kv_heads=8, head_dim=128, num_layers=4, dtype="turbo4k3v",
+        layer_dtypes=("bf16", "fp8k_turbo4v", "nvfp4"), layer_dims=((8, 128), (4, 256)),
+    )
+
+    def build() -> str:
+        cache = PagedKvCache(config, 32, gpu)
+        try:
+            sizes = [(cache.k_block_stride_bytes_for_layer(i), cache.v_block_stride_bytes_for_layer(i)) for i in range(4)]
+            expected = [(32768, 32768), (16384, 9216), (9216, 9216), (9216, 7168)]
+            assert sizes == expected, f"per-layer K/V block bytes {sizes}, expected {expected}"
+            block = cache.alloc_block()
+            cache.zero_block(block, gpu, stream)
+            payload = np.arange(cache.v_block_stride_bytes_for_layer(3), dtype=np.uint32).astype(np.uint8)
+            cache.write_block(3, block, None, payload, gpu)
+            _, v = cache.read_block(3, block, gpu)
+            assert np.array_equal(v, payload), "hybrid V block differs"
+        finally:
+            cache.release(gpu)
+        return "K/V block bytes per layer " + ", ".join(f"{k}/{v}" for k, v in sizes)
+
+    checks.run("hybrid formats and dims", build)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns 0 when every check passed, 1 otherwise."""
+    started = time.perf_counter()
+    gpu, which = best_backend()
+    print(f"pagedkv demo on {which}")
+    config = KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=128, num_layers=args.layers, dtype="bf16")
+    stream = gpu.default_stream()
+    checks = Checks()
+    teardown = Teardown()
+    cache = PagedKvCache(config, args.blocks, gpu)
+    teardown.push(cache)
+    print(
+        f"cache: {config.num_layers} layers x {args.blocks} blocks of {config.block_size} tokens, bf16, "
+        f"{config.block_bytes_kv_all_layers() * args.blocks / 2**20:.1f} MiB"
+    )
+    try:
+        _serving_cycle(cache, gpu, stream, checks)
+        _hybrid_cache(gpu, stream, checks)
+    finally:
+        checks.run("teardown", lambda: teardown.release_all(gpu))
+        if isinstance(gpu, HostBackend):
+            checks.run("nothing leaked", lambda: _no_leak(gpu))
+        close = getattr(gpu, "close", None)
+        if close is not None:
+            close()
+    print(f"demo: {checks.passed} passed, {checks.failed} failed in {time.perf_counter() - started:.2f} s")
+    return 1 if checks.failed else 0
+
+
+def _no_leak(gpu: HostBackend) -> str:
+    assert gpu.live_allocations() == 0, f"{gpu.live_allocations()} allocations ({gpu.live_bytes()} bytes) live"
+    return "HostBackend reports 0 live allocations"
+
+
+def register(subparsers) -> None:
+    """Add the `demo` subcommand."""
+    p = subparsers.add_parser("demo", help="run the main job end to end with checks")
+    p.add_argument("--layers", type=int, default=8, help="layers of the demo cache (default 8)")
+    p.add_argument("--blocks", type=int, default=128, help="blocks of the demo cache (default 128)")
+    p.set_defaults(func=run)
