@@ -54,7 +54,8 @@ def check_side_geometry(fmt: KvCacheDtype, num_kv_heads: int, head_dim: int) -> 
         )
 
 
-def _check_scale(scale: float) -> np.float32:
+def check_scale(scale: float) -> np.float32:
+    """`scale` as float32; ValueError unless it is finite and positive."""
     value = np.float32(scale)
     if not np.isfinite(value) or value <= 0:
         raise ValueError(f"scale must be a finite positive number, got {scale!r}")
@@ -89,7 +90,7 @@ def encode(values, fmt, *, scale: float = 1.0, rotate: bool = True) -> bytes:
     x = as_float32_values(values)
     tokens, heads, head_dim = x.shape
     check_side_geometry(fmt, heads, head_dim)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     if fmt.is_wht_rotated() and rotate:
         x = _rotate(x)
     rows = x.reshape(tokens, heads * head_dim)
@@ -121,7 +122,7 @@ def decode(data, fmt, block_size: int, num_kv_heads: int, head_dim: int, *, scal
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     check_side_geometry(fmt, num_kv_heads, head_dim)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     n = num_kv_heads * head_dim
     expected = side_bytes(fmt, block_size * n)
