@@ -249,3 +249,24 @@ def test_elementwise_formats_take_any_head_dim():
     x = np.linspace(-2, 2, 2 * 3 * 5, dtype=F32).reshape(2, 3, 5)
     for fmt in ("bf16", "fp8"):
         assert decode(encode(x, fmt), fmt, 2, 3, 5).shape == (2, 3, 5)
+
+
+def test_shipped_contract_states_the_constants_the_code_uses():
+    import re
+    from pathlib import Path
+
+    from pagedkv.codecs import codebooks
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMATS.md").read_text(encoding="utf-8")
+    flat = " ".join(text.split())
+
+    def numbers_after(marker: str, count: int) -> list[float]:
+        tail = flat[flat.index(marker) + len(marker) :]
+        return [float(v) for v in re.findall(r"-?\d+\.\d+", tail)[:count]]
+
+    assert numbers_after("**turbo4** codebook, index 0..15:", 16) == codebooks.TURBO4_LEVELS.astype(float).round(4).tolist()
+    assert numbers_after("**turbo3**, index 0..7:", 8) == codebooks.TURBO3_LEVELS.astype(float).round(4).tolist()
+    assert numbers_after("**turbo2**, index 0..3:", 4) == codebooks.TURBO2_LEVELS.astype(float).round(4).tolist()
+    assert numbers_after("these exact values are the contract: turbo4", 15) == codebooks.TURBO4_BOUNDS.astype(float).round(4).tolist()
+    assert numbers_after("2.4008`; turbo3", 7) == codebooks.TURBO3_BOUNDS.astype(float).round(4).tolist()
+    assert numbers_after("1.748`; turbo2", 3) == codebooks.TURBO2_BOUNDS.astype(float).round(4).tolist()
