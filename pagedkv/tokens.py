@@ -7,8 +7,9 @@ grouped formats: data, then scales). The work is done on the host and moved with
 backend's synchronous `copy_h2d` / `copy_d2h`; on CudaBackend this stages through host
 memory until device write kernels exist.
 
-Values must be finite: no format stores NaN or inf meaningfully (E4M3 has no inf and one
-NaN in a group would poison its scale), so a NaN or inf is refused, nothing written.
+Values written must be finite: no format stores NaN or inf meaningfully (E4M3 has no inf and
+one NaN in a group would poison its scale), so a NaN or inf in a row that would be written is
+refused and nothing is written; rows whose slot is -1 are not inspected.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from .backend import DevicePtr, GpuBackend
 from .codecs import check_side_geometry, decode, encode
-from .codecs.side import as_float32_values, check_scale
+from .codecs.side import as_float32_values, check_scale, require_finite
 from .dtype import KvCacheDtype, side_data_bytes, side_scale_bytes
 from .log import get_logger
 
@@ -74,6 +75,8 @@ def _slots(cache: "PagedKvCache", slots, num_tokens: int | None) -> np.ndarray:
         raise TypeError(f"slots must be integers (int64), got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"slots must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise IndexError(f"slot {int(arr.max())} outside the cache (beyond int64)")
     arr = arr.astype(np.int64)
     if num_tokens is not None and arr.size != num_tokens:
         raise ValueError(f"{arr.size} slots for {num_tokens} tokens")
@@ -104,7 +107,7 @@ def _runs(slots: np.ndarray, block_size: int) -> _Runs:
 
 
 def _values(name: str, values, heads: int, head_dim: int, num_tokens: int | None) -> np.ndarray:
-    x = as_float32_values(values, name)
+    x = as_float32_values(values, name, check_finite=False)
     if x.shape[1:] != (heads, head_dim) or (num_tokens is not None and x.shape[0] != num_tokens):
         raise ValueError(
             f"{name} must be shaped [num_tokens, {heads}, {head_dim}] for this layer, got {x.shape}"
@@ -126,7 +129,9 @@ def write_tokens(
     """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
     layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
     `k_scale`/`v_scale`). Everything is validated before the first byte is written; waits for
-    `stream` first. Under `v_aliases_k` V is not written (`v` may be None)."""
+    `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Encoding runs on
+    the host: on CudaBackend the rows are staged through host memory (synchronous
+    `copy_h2d`) until device write kernels exist."""
     heads, head_dim, k_fmt, v_fmt = _layer_geometry(cache, layer)
     aliased = cache.config().v_aliases_k
     block_size = cache.block_size()
@@ -137,6 +142,9 @@ def write_tokens(
     num_tokens = k_values.shape[0]
     v_values = None if aliased and v is None else _values("v", v, heads, head_dim, num_tokens)
     runs = _runs(_slots(cache, slots, num_tokens), block_size)
+    require_finite(k_values, "k", runs.order)
+    if v_values is not None:
+        require_finite(v_values, "v", runs.order)
     jobs = [(k_side, k_values, k_scale, cache.k_cache_ptr)]
     if not aliased:
         jobs.append((v_side, v_values, v_scale, cache.v_cache_ptr))

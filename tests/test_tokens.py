@@ -244,3 +244,24 @@ def test_copies_are_one_per_run_and_section():
     assert gpu.d2h == 3 * 1 + 3 * 2
     np.testing.assert_array_equal(k, codec_round_trip(x, "bf16"))
     cache.release(gpu)
+
+
+def test_skipped_rows_may_hold_anything_and_bad_rows_are_named(gpu, make_cache):
+    cache = make_cache(dtype="turbo4")
+    x = values(np.random.default_rng(4), 3, 2, 128)
+    x[1, 1, 7] = np.nan
+    cache.write_tokens(0, [0, -1, 2], x, x, gpu, 0)
+    k, _ = cache.read_tokens(0, [0, 2], gpu)
+    np.testing.assert_array_equal(k, codec_round_trip(x[[0, 2]], "turbo4"))
+    with pytest.raises(ValueError, match=r"k holds a non-finite value nan at index \(1, 1, 7\)"):
+        cache.write_tokens(0, [5, 6, 7], x, x, gpu, 0)
+    assert (cache.read_block(0, 1, gpu)[0] == 0xFF).all()
+
+
+def test_unsigned_slots_beyond_int64_are_refused(gpu, make_cache):
+    cache = make_cache(dtype="fp8")
+    x = values(np.random.default_rng(0), 1, 2, 128)
+    with pytest.raises(IndexError, match="18446744073709551615"):
+        cache.write_tokens(0, np.array([2**64 - 1], np.uint64), x, x, gpu, 0)
+    cache.write_tokens(0, np.array([3], np.uint32), x, x, gpu, 0)
+    np.testing.assert_array_equal(cache.read_tokens(0, np.array([3], np.int32), gpu)[0], codec_round_trip(x, "fp8"))

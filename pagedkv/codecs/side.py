@@ -62,9 +62,10 @@ def check_scale(scale: float) -> np.float32:
     return value
 
 
-def as_float32_values(values, what: str = "values") -> np.ndarray:
+def as_float32_values(values, what: str = "values", check_finite: bool = True) -> np.ndarray:
     """`values` (float32 or ml_dtypes.bfloat16, shaped [tokens, heads, head_dim]) as a float32
-    array; TypeError for another dtype, ValueError for another rank or a NaN/inf."""
+    array; TypeError for another dtype, ValueError for another rank or (with `check_finite`)
+    a NaN/inf."""
     if not isinstance(values, np.ndarray):
         raise TypeError(f"{what} must be a numpy array, got {type(values).__name__}")
     if values.dtype not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
@@ -72,11 +73,24 @@ def as_float32_values(values, what: str = "values") -> np.ndarray:
     if values.ndim != 3:
         raise ValueError(f"{what} must be shaped [tokens, num_kv_heads, head_dim], got shape {values.shape}")
     out = values.astype(np.float32)
-    finite = np.isfinite(out)
-    if not finite.all():
-        where = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise ValueError(f"{what} holds a non-finite value {out[where]} at index {where}: no format stores NaN or inf")
+    if check_finite:
+        require_finite(out, what)
     return out
+
+
+def require_finite(x: np.ndarray, what: str, rows: np.ndarray | None = None) -> None:
+    """ValueError naming the first NaN or inf of `x` (only the listed `rows` when given; the
+    index reported is the row's index in `x`)."""
+    picked = x if rows is None else x[rows]
+    finite = np.isfinite(picked)
+    if not finite.all():
+        where = [int(i) for i in np.argwhere(~finite)[0]]
+        value = picked[tuple(where)]
+        if rows is not None:
+            where[0] = int(rows[where[0]])
+        raise ValueError(
+            f"{what} holds a non-finite value {value} at index {tuple(where)}: no format stores NaN or inf"
+        )
 
 
 def encode(values, fmt, *, scale: float = 1.0, rotate: bool = True) -> bytes:
