@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import diagnostics
+from . import diagnostics, tokens
 from .backend import BlockRegions, DevicePtr, GpuBackend, as_block_array, check_copy_pairs
 from .config import KvCacheConfig
 from .env import flags
@@ -375,6 +375,17 @@ class PagedKvCache:
             gpu.copy_h2d(k_bytes, k_ptr)
         if v_bytes is not None and v_bytes.nbytes:
             gpu.copy_h2d(v_bytes, v_ptr)
+
+    def write_tokens(self, layer: int, slots, k, v, gpu: GpuBackend, stream: int,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Encode and write token rows of K and V into `layer`'s slots (`block * block_size +
+        offset`, -1 skips), each side in its own format; see `pagedkv.tokens.write_tokens`."""
+        tokens.write_tokens(self, layer, slots, k, v, gpu, stream, k_scale, v_scale)
+
+    def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) float32 rows decoded from `layer`'s slots; see `pagedkv.tokens.read_tokens`."""
+        return tokens.read_tokens(self, layer, slots, gpu, unrotate, k_scale, v_scale)
 
     # -- diagnostics ------------------------------------------------------------------
 

@@ -1,0 +1,218 @@
+"""Tokens in and out of a PagedKvCache: encode K and V rows into their blocks and read them back.
+
+A slot is `block * block_size + offset`; -1 skips a token. Each side is encoded in its own
+side format (turbo sides rotated, see `pagedkv.codecs`), and only the touched data rows and
+their scale rows are copied, one copy per run of consecutive slots in a block (two for the
+grouped formats: data, then scales). The work is done on the host and moved with the
+backend's synchronous `copy_h2d` / `copy_d2h`; on CudaBackend this stages through host
+memory until device write kernels exist.
+
+Values written must be finite: no format stores NaN or inf meaningfully (E4M3 has no inf and
+one NaN in a group would poison its scale), so a NaN or inf in a row that would be written is
+refused and nothing is written; rows whose slot is -1 are not inspected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend
+from .codecs import check_side_geometry, decode, encode
+from .codecs.side import as_float32_values, check_scale, require_finite
+from .dtype import KvCacheDtype, side_data_bytes, side_scale_bytes
+from .log import get_logger
+
+if TYPE_CHECKING:
+    from .cache import PagedKvCache
+
+SKIP_SLOT = -1
+"""The slot value of a token that is neither written nor read."""
+
+_log = get_logger("tokens")
+
+
+@dataclass(frozen=True)
+class _Side:
+    """Where one side of a layer keeps a token: its format and byte geometry per block."""
+
+    fmt: KvCacheDtype
+    row_bytes: int
+    scale_row_bytes: int
+    data_section: int
+
+    @classmethod
+    def of(cls, fmt: KvCacheDtype, block_size: int, heads: int, head_dim: int) -> "_Side":
+        check_side_geometry(fmt, heads, head_dim)
+        n = heads * head_dim
+        return cls(fmt, side_data_bytes(fmt, n), side_scale_bytes(fmt, n), side_data_bytes(fmt, block_size * n))
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """Valid tokens sorted by slot and cut into runs of consecutive offsets within a block."""
+
+    order: np.ndarray  # token indices (into the caller's arrays) in slot order
+    blocks: np.ndarray  # per run
+    offsets: np.ndarray  # per run: first offset
+    starts: np.ndarray  # per run: first position in `order`
+    stops: np.ndarray
+
+
+def _layer_geometry(cache: "PagedKvCache", layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
+    cache.k_pool_ptr(layer)  # validates the layer and that the cache is live
+    config = cache.config()
+    heads, head_dim = config.dims_for_layer(layer)
+    k_fmt, v_fmt = config.dtype_for_layer(layer).kv_pair()
+    return heads, head_dim, k_fmt, v_fmt
+
+
+def _slots(cache: "PagedKvCache", slots, num_tokens: int | None) -> np.ndarray:
+    arr = np.asarray(slots)
+    if arr.dtype == np.bool_ or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"slots must be integers (int64), got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"slots must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise IndexError(f"slot {int(arr.max())} outside the cache (beyond int64)")
+    arr = arr.astype(np.int64)
+    if num_tokens is not None and arr.size != num_tokens:
+        raise ValueError(f"{arr.size} slots for {num_tokens} tokens")
+    limit = cache.num_blocks() * cache.block_size()
+    bad = (arr < SKIP_SLOT) | (arr >= limit)
+    if bad.any():
+        value = int(arr[np.argmax(bad)])
+        raise IndexError(
+            f"slot {value} outside the cache: slots run 0..{limit - 1} "
+            f"({cache.num_blocks()} blocks x {cache.block_size()} tokens), -1 skips a token"
+        )
+    valid = arr[arr != SKIP_SLOT]
+    unique, counts = np.unique(valid, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slot {int(unique[np.argmax(counts > 1)])} appears more than once")
+    return arr
+
+
+def _runs(slots: np.ndarray, block_size: int) -> _Runs:
+    order = np.flatnonzero(slots != SKIP_SLOT)
+    order = order[np.argsort(slots[order], kind="stable")]
+    sorted_slots = slots[order]
+    blocks, offsets = np.divmod(sorted_slots, block_size)
+    breaks = (np.diff(sorted_slots) != 1) | (np.diff(blocks) != 0)
+    starts = np.concatenate([[0], np.flatnonzero(breaks) + 1]).astype(np.int64) if order.size else np.zeros(0, np.int64)
+    stops = np.append(starts[1:], order.size).astype(np.int64)
+    return _Runs(order, blocks[starts], offsets[starts], starts, stops)
+
+
+def _values(name: str, values, heads: int, head_dim: int, num_tokens: int | None) -> np.ndarray:
+    x = as_float32_values(values, name, check_finite=False)
+    if x.shape[1:] != (heads, head_dim) or (num_tokens is not None and x.shape[0] != num_tokens):
+        raise ValueError(
+            f"{name} must be shaped [num_tokens, {heads}, {head_dim}] for this layer, got {x.shape}"
+        )
+    return x
+
+
+def write_tokens(
+    cache: "PagedKvCache",
+    layer: int,
+    slots,
+    k,
+    v,
+    gpu: GpuBackend,
+    stream: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
+    layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
+    `k_scale`/`v_scale`). Everything is validated before the first byte is written; waits for
+    `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Encoding runs on
+    the host: on CudaBackend the rows are staged through host memory (synchronous
+    `copy_h2d`) until device write kernels exist."""
+    heads, head_dim, k_fmt, v_fmt = _layer_geometry(cache, layer)
+    aliased = cache.config().v_aliases_k
+    block_size = cache.block_size()
+    k_side = _Side.of(k_fmt, block_size, heads, head_dim)
+    v_side = _Side.of(v_fmt, block_size, heads, head_dim)
+    check_scale(k_scale), check_scale(v_scale)
+    k_values = _values("k", k, heads, head_dim, None)
+    num_tokens = k_values.shape[0]
+    v_values = None if aliased and v is None else _values("v", v, heads, head_dim, num_tokens)
+    runs = _runs(_slots(cache, slots, num_tokens), block_size)
+    require_finite(k_values, "k", runs.order)
+    if v_values is not None:
+        require_finite(v_values, "v", runs.order)
+    jobs = [(k_side, k_values, k_scale, cache.k_cache_ptr)]
+    if not aliased:
+        jobs.append((v_side, v_values, v_scale, cache.v_cache_ptr))
+    encoded = [(side, _encode_rows(side, values[runs.order], scale), ptr) for side, values, scale, ptr in jobs]
+    gpu.synchronize(stream)
+    copies = 0
+    for side, (data, scales), block_ptr in encoded:
+        for block, offset, start, stop in zip(runs.blocks, runs.offsets, runs.starts, runs.stops):
+            base = block_ptr(layer, int(block))
+            gpu.copy_h2d(data[start:stop], base.offset(int(offset) * side.row_bytes))
+            copies += 1
+            if side.scale_row_bytes:
+                scale_at = side.data_section + int(offset) * side.scale_row_bytes
+                gpu.copy_h2d(scales[start:stop], base.offset(scale_at))
+                copies += 1
+    _log.debug("kv_tokens_written", layer=layer, tokens=int(runs.order.size), runs=int(runs.starts.size), copies=copies)
+
+
+def _encode_rows(side: _Side, values: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(data rows [tokens, row_bytes], scale rows [tokens, scale_row_bytes]) of `values`."""
+    tokens = values.shape[0]
+    raw = np.frombuffer(encode(values, side.fmt, scale=scale), dtype=np.uint8) if tokens else np.zeros(0, np.uint8)
+    data = raw[: tokens * side.row_bytes].reshape(tokens, side.row_bytes)
+    scales = raw[tokens * side.row_bytes :].reshape(tokens, side.scale_row_bytes)
+    return data, scales
+
+
+def read_tokens(
+    cache: "PagedKvCache",
+    layer: int,
+    slots,
+    gpu: GpuBackend,
+    unrotate: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(k, v) float32 [num_slots, num_kv_heads, head_dim] decoded from `layer`'s slots; a -1
+    slot gives a row of zeros. Turbo sides come back in the model's basis unless
+    `unrotate=False`; fp8 sides are multiplied by `k_scale`/`v_scale`. Under `v_aliases_k`
+    V is a copy of K."""
+    heads, head_dim, k_fmt, v_fmt = _layer_geometry(cache, layer)
+    aliased = cache.config().v_aliases_k
+    block_size = cache.block_size()
+    check_scale(k_scale), check_scale(v_scale)
+    arr = _slots(cache, slots, None)
+    runs = _runs(arr, block_size)
+    k_side = _Side.of(k_fmt, block_size, heads, head_dim)
+    k = _read_side(cache.k_cache_ptr, layer, k_side, runs, arr.size, (heads, head_dim), gpu, unrotate, k_scale)
+    if aliased:
+        return k, k.copy()
+    v_side = _Side.of(v_fmt, block_size, heads, head_dim)
+    v = _read_side(cache.v_cache_ptr, layer, v_side, runs, arr.size, (heads, head_dim), gpu, unrotate, v_scale)
+    return k, v
+
+
+def _read_side(block_ptr, layer: int, side: _Side, runs: _Runs, num_slots: int, dims: tuple[int, int],
+               gpu: GpuBackend, unrotate: bool, scale: float) -> np.ndarray:
+    tokens = runs.order.size
+    out = np.zeros((num_slots, *dims), dtype=np.float32)
+    if tokens == 0:
+        return out
+    data = np.empty((tokens, side.row_bytes), dtype=np.uint8)
+    scales = np.empty((tokens, side.scale_row_bytes), dtype=np.uint8)
+    for block, offset, start, stop in zip(runs.blocks, runs.offsets, runs.starts, runs.stops):
+        base: DevicePtr = block_ptr(layer, int(block))
+        gpu.copy_d2h(base.offset(int(offset) * side.row_bytes), data[start:stop])
+        if side.scale_row_bytes:
+            gpu.copy_d2h(base.offset(side.data_section + int(offset) * side.scale_row_bytes), scales[start:stop])
+    raw = data.tobytes() + scales.tobytes()
+    out[runs.order] = decode(raw, side.fmt, tokens, *dims, scale=scale, unrotate=unrotate)
+    return out

@@ -1,0 +1,94 @@
+"""The quality table: structure, the orderings it must show, the CLI and the bench section."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from pagedkv import KvCacheDtype
+from pagedkv.cli import main
+from pagedkv.quality import SCORE_SPREAD, attention, format_table, quality_table, synthetic_kv
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {row.fmt: row for row in quality_table(tokens=64, heads=4, head_dim=128, seed=0)}
+
+
+def test_one_row_per_format_in_order(rows):
+    assert list(rows) == list(KvCacheDtype)
+    for fmt, row in rows.items():
+        assert row.bits == fmt.bits_per_element()
+        k_fmt, v_fmt = fmt.kv_pair()
+        assert (row.k_rel_mse_norot is None) == (not k_fmt.is_wht_rotated())
+        assert (row.v_rel_mse_norot is None) == (not v_fmt.is_wht_rotated())
+
+
+def test_asymmetric_rows_reuse_their_sides(rows):
+    for fmt in KvCacheDtype:
+        if fmt.is_asymmetric():
+            k_fmt, v_fmt = fmt.kv_pair()
+            assert rows[fmt].k_rel_mse == rows[k_fmt].k_rel_mse
+            assert rows[fmt].v_rel_mse == rows[v_fmt].v_rel_mse
+
+
+def test_bf16_is_the_reference(rows):
+    bf16 = rows[KvCacheDtype.BF16]
+    assert bf16.attn_cos_min == pytest.approx(1.0, abs=1e-12)
+    assert 1e-6 < bf16.k_rel_mse < 1e-5  # BF16 rounding: about 2^-9 relative
+
+
+def test_fewer_bits_lose_more(rows):
+    t4, t3, t2 = rows[KvCacheDtype.TURBO4], rows[KvCacheDtype.TURBO3], rows[KvCacheDtype.TURBO2]
+    assert t4.k_rel_mse < t3.k_rel_mse < t2.k_rel_mse
+    assert t4.v_rel_mse < t3.v_rel_mse < t2.v_rel_mse
+    assert t4.attn_cos_mean > t3.attn_cos_mean > t2.attn_cos_mean
+    bf = [rows[KvCacheDtype.parse(n)].attn_cos_mean for n in ("bf16k4v", "bf16k3v", "bf16k2v")]
+    assert bf[0] > bf[1] > bf[2]
+
+
+def test_rotation_helps_the_outlier_channels_of_k(rows):
+    for fmt in (KvCacheDtype.TURBO4, KvCacheDtype.TURBO3, KvCacheDtype.TURBO2):
+        assert rows[fmt].k_rel_mse < rows[fmt].k_rel_mse_norot
+
+
+def test_synthetic_queries_have_the_stated_score_spread():
+    k, v, q = synthetic_kv(64, 2, 128, seed=1)
+    assert k.shape == v.shape == (64, 2, 128) and q.shape == (8, 2, 128)
+    scores = np.einsum("qhd,thd->qht", q.astype(np.float64), k) / np.sqrt(128)
+    np.testing.assert_allclose(scores.std(axis=-1), SCORE_SPREAD, rtol=1e-5)
+
+
+def test_attention_of_uniform_scores_is_the_mean_of_v():
+    q = np.zeros((1, 1, 16), np.float32)
+    k = np.random.default_rng(0).standard_normal((5, 1, 16)).astype(np.float32)
+    v = np.arange(5 * 16, dtype=np.float32).reshape(5, 1, 16)
+    np.testing.assert_allclose(attention(q, k, v)[0, 0], v[:, 0].mean(axis=0))
+
+
+def test_cli_prints_the_table(capsys):
+    assert main(["quality", "--tokens", "32", "--heads", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("synthetic KV: 32 tokens x 2 KV heads")
+    assert out[3:] == format_table(quality_table(32, 2, 128, 0)).splitlines()[2:]
+    assert [line.split()[0] for line in out[3:]] == [str(f) for f in KvCacheDtype]
+
+
+def test_cli_refuses_a_head_dim_the_grouped_formats_cannot_store(capsys):
+    assert main(["quality", "--head-dim", "24"]) == 2
+    assert "--head-dim 24" in capsys.readouterr().out
+
+
+def test_bench_section_prints_the_same_table(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    try:
+        import bench_quality
+    finally:
+        sys.path.pop(0)
+    bench_quality.run(argparse.Namespace(quick=True))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == format_table(quality_table(128, 8, 128, 0)).splitlines()
