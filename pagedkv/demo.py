@@ -149,7 +149,35 @@ def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
             cache.release(gpu)
         return "K/V block bytes per layer " + ", ".join(f"{k}/{v}" for k, v in sizes)
 
+    def tokens() -> str:
+        cache = PagedKvCache(config, 32, gpu)
+        rng = np.random.default_rng(1)
+        errors = []
+        try:
+            blocks = cache.alloc_blocks(2)
+            slots = np.array([blocks[0] * 16 + 3, -1, blocks[1] * 16, blocks[1] * 16 + 15], dtype=np.int64)
+            for layer in range(config.num_layers):
+                heads, head_dim = config.dims_for_layer(layer)
+                k = rng.standard_normal((4, heads, head_dim)).astype(np.float32)
+                v = rng.standard_normal((4, heads, head_dim)).astype(np.float32)
+                cache.write_tokens(layer, slots, k, v, gpu, stream)
+                k_back, v_back = cache.read_tokens(layer, slots, gpu)
+                keep = slots >= 0
+                for side, (sent, back) in zip("KV", ((k, k_back), (v, v_back))):
+                    fmt = config.dtype_for_layer(layer).kv_pair()["KV".index(side)]
+                    rel = float(np.mean((back[keep] - sent[keep]) ** 2) / np.mean(sent[keep] ** 2))
+                    assert rel < _MAX_REL_MSE[str(fmt)], f"layer {layer} {side} ({fmt}): relative MSE {rel:.4f}"
+                    errors.append(f"{fmt} {rel:.1e}")
+        finally:
+            cache.release(gpu)
+        return "relative MSE per layer side: " + ", ".join(errors)
+
     checks.run("hybrid formats and dims", build)
+    checks.run("tokens through every format", tokens)
+
+
+# Bounds on the relative MSE of a token round trip, ~3x FORMATS.md's unit-Gaussian figures.
+_MAX_REL_MSE = {"bf16": 1e-4, "fp8": 3e-3, "nvfp4": 0.03, "turbo4": 0.02, "turbo3": 0.075, "turbo2": 0.4, "turbo8": 3e-3}
 
 
 def run(args: argparse.Namespace) -> int:
