@@ -4,5 +4,7 @@ import structlog
 
 
 def get_logger(name: str):
-    """A structlog logger bound to `component=name`; every diagnostic line goes through one."""
-    return structlog.get_logger("pagedkv").bind(component=name)
+    """A lazy structlog logger with `component=name`; every diagnostic line goes through one.
+    It resolves structlog's configuration at each event, so an application configuring
+    structlog after importing pagedkv is obeyed."""
+    return structlog.get_logger("pagedkv", component=name)

@@ -7,11 +7,19 @@ import sys
 
 import numpy as np
 import pytest
+import structlog
 
 from pagedkv import HostBackend, KvCacheDtype
 from pagedkv import demo as demo_module
 from pagedkv.cli import main
 from pagedkv.plan import parse_bytes, parse_dims, parse_dtypes
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog():
+    """`main` configures structlog's level filter; undo it so other tests see the defaults."""
+    yield
+    structlog.reset_defaults()
 
 
 def _rows(out: str) -> dict[str, list[str]]:
