@@ -36,6 +36,13 @@ def test_device_ptr_offset_and_null():
         p.offset(-0x1001)
 
 
+@pytest.mark.parametrize("bad", [1.9, "8", True])
+def test_device_ptr_offset_refuses_non_int(bad):
+    with pytest.raises(TypeError, match="byte offset must be an int"):
+        DevicePtr(0x1000).offset(bad)
+    assert DevicePtr(0x1000).offset(np.int64(16)) == 0x1010
+
+
 def test_device_ptr_hex_repr():
     assert repr(DevicePtr(0x7F00_0000_0100)) == "DevicePtr(0x7f0000000100)"
     assert repr(NULL) == "DevicePtr(0x0)"
