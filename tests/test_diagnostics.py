@@ -235,3 +235,14 @@ def test_per_block_non_bf16_layer_is_silent(gpu):
         cache.debug_kv_per_block(1, [2], gpu, gpu.default_stream(), "asym")
     assert [(e["phys"], e["k_ssq"], e["v_ssq"]) for e in logs] == [(2, expected_sums(known, 1, "K", [2])[1], None)]
     cache.release(gpu)
+
+
+def test_bad_block_raises_before_any_event(gpu):
+    cache = make(gpu, layers=2)
+    with capture_logs() as logs:
+        with pytest.raises(IndexError, match=f"block {BLOCKS} out of range"):
+            cache.debug_kv_checksum_per_layer([0, 1, BLOCKS], 1, gpu, gpu.default_stream(), "bad")
+        with pytest.raises(IndexError, match="block -1 out of range"):
+            cache.debug_kv_per_block(0, [0, 1, -1], gpu, gpu.default_stream(), "bad")
+    assert logs == []
+    cache.release(gpu)
