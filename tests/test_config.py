@@ -3,8 +3,9 @@
 import dataclasses
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from pagedkv import KvCacheConfig, KvCacheDtype as D
+from pagedkv import KvCacheConfig, KvCacheDtype as D, PagedKvCache
 
 # Bytes of one block side of e elements, straight from the DESIGN.md table (data + scales).
 def table_bytes(fmt: str, e: int) -> int:
@@ -251,3 +252,35 @@ def test_layer_index_out_of_range(layer):
     for accessor in (c.dtype_for_layer, c.dims_for_layer, c.k_block_bytes_for_layer, c.v_block_bytes_for_layer, c.block_bytes_for_layer):
         with pytest.raises(IndexError, match=f"layer {layer} out of range"):
             accessor(layer)
+
+
+# -- property: per-layer totals and compute_num_blocks agree with the table -----------
+
+SIDE_OF = dict(ASYM, **{f: (f, f) for f in LITERAL})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 16, 32]),
+    dims=st.lists(st.tuples(st.integers(1, 8), st.sampled_from([16, 32, 64, 80, 128, 256])), min_size=1, max_size=5),
+    fmts=st.lists(st.sampled_from(sorted(SIDE_OF)), min_size=1, max_size=5),
+    extra_layers=st.integers(0, 3),
+    available=st.integers(0, 1 << 34),
+)
+def test_totals_match_the_table(block_size, dims, fmts, extra_layers, available):
+    layers = max(len(dims), len(fmts)) + extra_layers
+    c = KvCacheConfig(
+        block_size=block_size, num_kv_heads=dims[0][0], head_dim=dims[0][1], num_layers=layers,
+        dtype=fmts[0], layer_dtypes=fmts, layer_dims=dims,
+    )
+    total = 0
+    for layer in range(layers):
+        heads, head_dim = dims[layer] if layer < len(dims) else dims[0]
+        k, v = SIDE_OF[fmts[layer] if layer < len(fmts) else fmts[0]]
+        e = block_size * heads * head_dim
+        assert c.k_block_bytes_for_layer(layer) == table_bytes(k, e)
+        assert c.v_block_bytes_for_layer(layer) == table_bytes(v, e)
+        total += table_bytes(k, e) + table_bytes(v, e)
+    assert c.block_bytes_kv_all_layers() == total
+    n = PagedKvCache.compute_num_blocks(c, available)
+    assert n * total <= available < (n + 1) * total
