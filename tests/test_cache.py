@@ -435,3 +435,23 @@ def test_poison_flag_is_read_once(gpu, env_flags, monkeypatch):
     gpu.synchronize(gpu.default_stream())
     assert not c.read_block(1, 0, gpu)[1].any()
     c.release(gpu)
+
+
+def test_block_regions_rows(gpu, cache):
+    regions = cache.block_regions()
+    assert len(regions) == 4
+    for layer in range(2):
+        k_row, v_row = cache.region_index(layer, "K"), cache.region_index(layer, "V")
+        assert (k_row, v_row) == (2 * layer, 2 * layer + 1)
+        assert int(regions.bases[k_row]) == cache.k_pool_ptr(layer)
+        assert int(regions.bases[v_row]) == cache.v_pool_ptr(layer)
+        assert int(regions.strides[k_row]) == int(regions.nbytes[k_row]) == BF16_SIDE
+    with pytest.raises(ValueError, match="side must be 'K' or 'V', got 'k'"):
+        cache.region_index(0, "k")
+
+
+def test_block_regions_rows_aliased(gpu):
+    c = make(gpu, "fp8", layers=3, blocks=2, v_aliases_k=True)
+    assert len(c.block_regions()) == 3
+    assert [c.region_index(l, s) for l in range(3) for s in "KV"] == [0, 0, 1, 1, 2, 2]
+    c.release(gpu)
