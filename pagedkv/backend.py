@@ -9,6 +9,7 @@ row (or one row, for the reduction) for a list of block indices, in one launch.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
@@ -28,8 +29,15 @@ class DevicePtr(int):
         return super().__new__(cls, int(address))
 
     def offset(self, nbytes: int) -> "DevicePtr":
-        """The address `nbytes` further on (negative goes back; below zero raises)."""
-        return DevicePtr(int(self) + int(nbytes))
+        """The address `nbytes` further on (negative goes back; below zero raises; a
+        non-integer offset raises TypeError rather than being truncated)."""
+        if isinstance(nbytes, bool):
+            raise TypeError(f"a byte offset must be an int, got {nbytes!r}")
+        try:
+            delta = operator.index(nbytes)
+        except TypeError:
+            raise TypeError(f"a byte offset must be an int, got {nbytes!r}") from None
+        return DevicePtr(int(self) + delta)
 
     @property
     def is_null(self) -> bool:

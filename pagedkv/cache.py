@@ -147,11 +147,13 @@ class PagedKvCache:
         return self._config._check_layer(layer)  # type: ignore[arg-type]
 
     def _blocks(self, blocks: Iterable[int]) -> np.ndarray:
-        idx = as_block_array(list(blocks) if not isinstance(blocks, np.ndarray) else blocks)
-        if idx.size and int(idx.max()) >= self._num_blocks:
-            bad = int(idx.max())
-            raise IndexError(f"block {bad} out of range for a cache of {self._num_blocks} blocks")
-        return idx
+        """`blocks` as an int64 array; IndexError names the first index outside [0, num_blocks)."""
+        arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks))
+        if arr.size and arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer):
+            bad = arr[(arr < 0) | (arr >= self._num_blocks)]
+            if bad.size:
+                self._block(int(bad[0]))  # raises IndexError (KvCacheError once released)
+        return as_block_array(arr)
 
     # -- allocation and reference counts ---------------------------------------------
 

@@ -38,6 +38,7 @@ def checksum_per_layer(
     float64 over every BF16 value of those blocks, reduced by the backend in one call.
     """
     blocks = list(blocks)
+    cache._blocks(blocks)  # every index checked before any event is written
     cut = min(max(int(boundary_idx), 0), len(blocks))
     regions = (("prefix", blocks[:cut]), ("suffix", blocks[cut:]))
     gpu.synchronize(stream)
@@ -65,6 +66,8 @@ def per_block(
     """Emit `kv_block_checksum` per entry of `blocks`, in order: `tag, layer, logical, phys,
     k_ssq, v_ssq` (v_ssq None when V is not BF16). Nothing when K is not BF16."""
     sides = _bf16_sides(cache, layer)
+    blocks = list(blocks)
+    cache._blocks(blocks)  # every index checked before any event is written
     if "K" not in sides:
         return
     gpu.synchronize(stream)

@@ -28,6 +28,12 @@ def _gib(nbytes: int) -> str:
 
 def _host_bytes(buf: Any, writable: bool) -> np.ndarray:
     """A flat uint8 view of a bytes-like object or numpy array (no copy)."""
+    if isinstance(buf, np.ndarray):  # numpy arrays of any dtype, ml_dtypes' bfloat16 included
+        if writable and not buf.flags.writeable:
+            raise ValueError("destination host buffer is read-only")
+        if not buf.flags.c_contiguous:
+            raise ValueError("host buffer must be C-contiguous")
+        return buf.reshape(-1).view(np.uint8)
     try:
         view = memoryview(buf)
     except TypeError:

@@ -1,0 +1,73 @@
+"""Importing pagedkv needs no GPU, loads no CUDA library, and exposes every public name."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pagedkv
+
+ISSUE_NAMES = [
+    "PagedKvCache",
+    "KvCacheConfig",
+    "KvCacheDtype",
+    "HostBackend",
+    "DevicePtr",
+    "Teardown",
+    "ModelResource",
+    "GpuBackend",
+    "BlockRegions",
+    "Bf16Stats",
+    "KvCacheError",
+    "KvCacheExhausted",
+    "RefCountError",
+    "DeviceMemoryError",
+    "DeviceOutOfMemory",
+    "TeardownError",
+    "POISON_BYTE",
+]
+
+PROBE = """
+import json, sys
+import pagedkv
+from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
+gpu = HostBackend(1 << 20)
+cache = PagedKvCache(KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16"), 2, gpu)
+cache.release(gpu)
+maps = open("/proc/self/maps").read()
+print("RESULT " + json.dumps({
+    "libcuda": "libcuda" in maps,
+    "libnvrtc": "libnvrtc" in maps,
+    "modules": sorted(m for m in sys.modules if m.startswith(("cuda", "torch", "cupy"))),
+}))
+"""
+
+
+def test_import_loads_no_cuda_library():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    assert json.loads(line[len("RESULT "):]) == {"libcuda": False, "libnvrtc": False, "modules": []}
+
+
+def test_issue_names_are_exported():
+    for name in ISSUE_NAMES:
+        assert name in pagedkv.__all__, name
+        assert getattr(pagedkv, name) is not None
+
+
+def test_all_names_resolve_and_are_documented():
+    for name in pagedkv.__all__:
+        obj = getattr(pagedkv, name)
+        if callable(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
+
+
+def test_public_methods_have_docstrings():
+    for cls in (pagedkv.PagedKvCache, pagedkv.KvCacheConfig, pagedkv.KvCacheDtype, pagedkv.HostBackend,
+                pagedkv.DevicePtr, pagedkv.Teardown, pagedkv.BlockRegions):
+        for attr, value in vars(cls).items():
+            if attr.startswith("_") or not callable(getattr(value, "__func__", value)):
+                continue
+            assert (getattr(value, "__func__", value).__doc__ or "").strip(), f"{cls.__name__}.{attr} has no docstring"
