@@ -221,6 +221,22 @@ class PagedKvCache:
         if self._tracer is not None:
             self._tracer.record(block, "inc_ref", count + 1)
 
+    def inc_refs(self, blocks: Sequence[int]) -> None:
+        """`inc_ref` of every block of `blocks`; all are checked before any count changes."""
+        blocks = list(blocks)
+        if not self._all_valid(blocks):
+            blocks = [self._block(b) for b in blocks]
+        refs = self._refs
+        for block in blocks:
+            if refs[block] == 0:
+                raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
+        if self._tracer is not None:
+            for block in blocks:
+                self.inc_ref(block)
+            return
+        for block in blocks:
+            refs[block] += 1
+
     def dec_ref(self, block: int) -> bool:
         """Drop a reference; True when the count reached 0 and the block went back on the
         free list. At count 0 nothing changes: an error event, False (RefCountError while
@@ -274,9 +290,32 @@ class PagedKvCache:
     def free_blocks(self, table: Sequence[int]) -> None:
         """Drop one reference to each block of `table`, last first, so the blocks come back
         in the order they were allocated. Every index is checked before any count changes."""
-        blocks = [self._block(b) for b in table]
+        blocks = list(table)
+        refs, done = self._refs, 0
+        if self._tracer is None:
+            try:  # the common case, every block at count 1, in one tight loop
+                for block in reversed(blocks):
+                    if type(block) is not int or block < 0 or refs[block] != 1:
+                        break
+                    refs[block] = 0
+                    done += 1
+            except IndexError:
+                pass
+        if done == len(blocks):
+            self._free.extend(reversed(blocks))
+            return
+        for block in blocks[len(blocks) - done :]:
+            refs[block] = 1  # undo the partial fast path; the general path below redoes it
+        if not self._all_valid(blocks):
+            blocks = [self._block(b) for b in blocks]  # raises naming the bad entry
         for block in reversed(blocks):
             self.dec_ref(block)
+
+    def _all_valid(self, blocks: list) -> bool:
+        """True when every entry is a plain int index in range (checked at C speed)."""
+        return not blocks or (
+            set(map(type, blocks)) == {int} and min(blocks) >= 0 and max(blocks) < self._num_blocks
+        )
 
     def return_evicted_block(self, block: int) -> None:
         """The prefix cache handing back its own reference: one decrement, pushed onto the

@@ -167,10 +167,9 @@ class PrefixCache:
                 path.append(child)
                 node = child
         blocks = [n.block for n in path]
-        inc_ref = self._cache.inc_ref
+        self._cache.inc_refs(blocks)
         clock = self._clock
         for n in path:
-            inc_ref(n.block)
             clock += 1
             n.last_used = clock
         self._clock = clock
