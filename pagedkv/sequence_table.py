@@ -313,10 +313,16 @@ class SequenceTable:
             self._prefix.check_invariants()
             for block in self._prefix.block_references():
                 held[block] = held.get(block, 0) + 1
+        partial_owners: dict[int, list[_Seq]] = {}
         for seq_id, seq in self._seqs.items():
             capacity = (seq.dropped + len(seq.blocks)) * self._bs
             if not capacity - self._bs < seq.num_tokens <= capacity:
                 raise KvCacheError(f"sequence {seq_id!r} holds {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
+            if seq.num_tokens % self._bs:
+                partial_owners.setdefault(seq.blocks[-1], []).append(seq)
+        for block, owners in partial_owners.items():
+            if len(owners) > 1 and not all(seq.maybe_shared for seq in owners):
+                raise KvCacheError(f"partly filled block {block} is shared without copy-on-write pending")
         self._cache.check_invariants(held)
 
     # -- exports for attention kernels -------------------------------------------------

@@ -133,6 +133,14 @@ class SequenceMachine(RuleBasedStateMachine):
         self.table.free(seq_id)
         del self.tokens[seq_id]
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def cache_prefix(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        cached = self.prefix.num_cached_blocks()
+        added = self.table.cache_prefix(seq_id)
+        assert self.prefix.num_cached_blocks() == cached + added
+
     @rule(n=st.integers(0, 4))
     def evict(self, n):
         cached = self.prefix.num_cached_blocks()
