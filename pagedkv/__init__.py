@@ -19,6 +19,15 @@ from .errors import (
 )
 from .host_backend import HostBackend
 from .teardown import ModelResource, Teardown
+from .prefix_cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    PrefixCache,
+    PrefixCacheStats,
+    PrefixMatch,
+)
+from .sequence_table import Exported, PageTable, SequenceTable
 
 __version__ = "0.1.0"
 
@@ -47,4 +56,13 @@ __all__ = [
     "flags",
     "reload_flags",
     "side_bytes",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Exported",
+    "PageTable",
+    "PrefixCache",
+    "PrefixCacheStats",
+    "PrefixMatch",
+    "SequenceTable",
 ]

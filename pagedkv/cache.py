@@ -13,7 +13,7 @@ enqueued); the cache never owns the backend.
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -60,6 +60,7 @@ class PagedKvCache:
         self._tracer: BlockTracer | None = BlockTracer() if env.kv_trace else None
         self._init_value = POISON_BYTE if env.kv_poison else 0
         self._released = False
+        self._prefix_cache = None
         per_block = config.block_bytes_kv_all_layers()
         _log.info(
             "kv_cache_allocated",
@@ -158,29 +159,38 @@ class PagedKvCache:
     # -- allocation and reference counts ---------------------------------------------
 
     def alloc_block(self) -> int:
-        """Pop a free block and give it count 1; KvCacheExhausted when none is free."""
-        free = self._free
-        if not free:
-            raise self._exhausted(1)
-        block = free.pop()
+        """Pop a free block and give it count 1. With an empty free list an attached prefix
+        cache evicts one block first; KvCacheExhausted when none is free or evictable."""
+        try:
+            block = self._free.pop()
+        except IndexError:
+            block = self._pop_after_eviction()
         self._refs[block] = 1
         if self._tracer is not None:
             self._tracer.record(block, "alloc", 1)
         return block
 
+    def _pop_after_eviction(self) -> int:
+        if self._prefix_cache is None or not self._prefix_cache.reclaim(1):
+            raise self._exhausted(1)
+        return self._free.pop()
+
     def try_alloc_block(self) -> int | None:
-        """Like `alloc_block`, but None when no block is free."""
-        if not self._free:
+        """Like `alloc_block`, but None when no block is free or evictable."""
+        try:
+            return self.alloc_block()
+        except KvCacheExhausted:
             return None
-        return self.alloc_block()
 
     def alloc_blocks(self, n: int) -> list[int]:
-        """`n` blocks, each with count 1, in the order `n` `alloc_block` calls would give;
-        all or nothing: KvCacheExhausted and nothing taken when fewer than `n` are free."""
+        """`n` blocks, each with count 1, in the order `n` `alloc_block` calls would give.
+        When the free list is short, an attached prefix cache evicts just enough first. All
+        or nothing: KvCacheExhausted, nothing taken and nothing evicted when even eviction
+        cannot make `n` free."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"number of blocks must be a non-negative int, got {n!r}")
         free = self._free
-        if n > len(free):
+        if n > len(free) and (self._prefix_cache is None or not self._prefix_cache.reclaim(n - len(free))):
             raise self._exhausted(n)
         if n == 0:
             return []
@@ -198,8 +208,9 @@ class PagedKvCache:
     def _exhausted(self, wanted: int) -> KvCacheError:
         if self._released:
             return KvCacheError("the cache has been released: no block can be allocated")
+        evicting = "" if self._prefix_cache is None else " and the prefix cache cannot evict enough"
         return KvCacheExhausted(
-            f"asked for {wanted} block(s) but {len(self._free)} of {self._num_blocks} are free"
+            f"asked for {wanted} block(s) but {len(self._free)} of {self._num_blocks} are free{evicting}"
         )
 
     def inc_ref(self, block: int) -> None:
@@ -212,24 +223,57 @@ class PagedKvCache:
         if self._tracer is not None:
             self._tracer.record(block, "inc_ref", count + 1)
 
+    def inc_refs(self, blocks: Sequence[int]) -> None:
+        """`inc_ref` of every block of `blocks`; all are checked before any count changes."""
+        blocks = list(blocks)
+        if not self._all_valid(blocks):
+            blocks = [self._block(b) for b in blocks]
+        refs = self._refs
+        for block in blocks:
+            if refs[block] == 0:
+                raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
+        if self._tracer is not None:
+            for block in blocks:
+                self.inc_ref(block)
+            return
+        for block in blocks:
+            refs[block] += 1
+
     def dec_ref(self, block: int) -> bool:
         """Drop a reference; True when the count reached 0 and the block went back on the
         free list. At count 0 nothing changes: an error event, False (RefCountError while
-        Python assertions are on)."""
-        if type(block) is not int or not 0 <= block < self._num_blocks:
+        Python assertions are on). A count falling to 1 is reported to an attached prefix
+        cache (the block may have become evictable)."""
+        if type(block) is not int or block < 0:
             block = self._block(block)
         refs = self._refs
-        count = refs[block]
+        try:
+            count = refs[block]
+        except IndexError:
+            raise self._block_error(block) from None
+        if count == 1:
+            refs[block] = 0
+            self._free.append(block)
+            if self._tracer is not None:
+                self._tracer.record(block, "dec_ref", 0)
+            return True
         if count == 0:
             return self._dec_at_zero(block)
-        count -= 1
-        refs[block] = count
+        refs[block] = count - 1
         if self._tracer is not None:
-            self._tracer.record(block, "dec_ref", count)
-        if count == 0:
-            self._free.append(block)
-            return True
+            self._tracer.record(block, "dec_ref", count - 1)
+        if count == 2 and self._prefix_cache is not None:
+            self._prefix_cache.on_sole_reference(block)
         return False
+
+    free_block = dec_ref  # the owner's release is one dec_ref; an alias keeps the hot path one call
+
+    def _block_error(self, block: int) -> Exception:
+        try:
+            self._block(block)
+        except (IndexError, KvCacheError) as err:
+            return err
+        return IndexError(f"block {block} out of range for a cache of {self._num_blocks} blocks")
 
     def _dec_at_zero(self, block: int) -> bool:
         history = self._history(block)
@@ -245,16 +289,35 @@ class PagedKvCache:
         history = self._history(block)
         return f"; history: {', '.join(history)}" if history else ""
 
-    def free_block(self, block: int) -> None:
-        """Drop one reference to `block` (the owner's)."""
-        self.dec_ref(block)
-
     def free_blocks(self, table: Sequence[int]) -> None:
         """Drop one reference to each block of `table`, last first, so the blocks come back
         in the order they were allocated. Every index is checked before any count changes."""
-        blocks = [self._block(b) for b in table]
+        blocks = list(table)
+        refs, done = self._refs, 0
+        if self._tracer is None:
+            try:  # the common case, every block at count 1, in one tight loop
+                for block in reversed(blocks):
+                    if type(block) is not int or block < 0 or refs[block] != 1:
+                        break
+                    refs[block] = 0
+                    done += 1
+            except IndexError:
+                pass
+        if done == len(blocks):
+            self._free.extend(reversed(blocks))
+            return
+        for block in blocks[len(blocks) - done :]:
+            refs[block] = 1  # undo the partial fast path; the general path below redoes it
+        if not self._all_valid(blocks):
+            blocks = [self._block(b) for b in blocks]  # raises naming the bad entry
         for block in reversed(blocks):
             self.dec_ref(block)
+
+    def _all_valid(self, blocks: list) -> bool:
+        """True when every entry is a plain int index in range (checked at C speed)."""
+        return not blocks or (
+            set(map(type, blocks)) == {int} and min(blocks) >= 0 and max(blocks) < self._num_blocks
+        )
 
     def return_evicted_block(self, block: int) -> None:
         """The prefix cache handing back its own reference: one decrement, pushed onto the
@@ -283,8 +346,27 @@ class PagedKvCache:
         """The block's refcount events (`op->count@file:line`) when tracing is on, else []."""
         return self._history(self._block(block)) or []
 
-    def check_invariants(self) -> None:
-        """Raise RefCountError if the free list and counts disagree (O(num_blocks))."""
+    def attach_prefix_cache(self, prefix_cache) -> None:
+        """Register the prefix cache that evicts for allocation (`reclaim(n) -> bool`, which
+        frees exactly `n` blocks or nothing) and hears of counts falling to 1
+        (`on_sole_reference(block)`). One per cache; `PrefixCache(cache)` calls this."""
+        if self._prefix_cache is not None and self._prefix_cache is not prefix_cache:
+            raise KvCacheError("this cache already has a prefix cache attached")
+        self._prefix_cache = prefix_cache
+
+    def detach_prefix_cache(self, prefix_cache) -> None:
+        """Undo `attach_prefix_cache` (a no-op for a prefix cache that is not attached)."""
+        if self._prefix_cache is prefix_cache:
+            self._prefix_cache = None
+
+    def attached_prefix_cache(self):
+        """The attached prefix cache, or None."""
+        return self._prefix_cache
+
+    def check_invariants(self, held: Mapping[int, int] | None = None) -> None:
+        """Raise RefCountError if the free list and counts disagree (O(num_blocks)). With
+        `held` (block -> references its holders account for), every block's count must
+        equal its entry (0 when absent)."""
         free = self._free
         if len(set(free)) != len(free):
             raise RefCountError(f"free list holds duplicates: {sorted(free)}")
@@ -298,6 +380,18 @@ class PagedKvCache:
             raise RefCountError(
                 f"{len(free)} free + {referenced} referenced != {self._num_blocks} blocks"
             )
+        if held is None:
+            return
+        for block in held:
+            if not 0 <= block < self._num_blocks:
+                raise RefCountError(f"holders account for block {block}, outside a cache of {self._num_blocks}")
+        for block, count in enumerate(self._refs):
+            expected = held.get(block, 0)
+            if count != expected:
+                raise RefCountError(
+                    f"block {block} has count {count} but its holders account for {expected}"
+                    f"{self._history_suffix(block)}"
+                )
 
     # -- memory: fill, copy, read, write ----------------------------------------------
 

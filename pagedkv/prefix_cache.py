@@ -1,0 +1,453 @@
+"""PrefixCache: full KV blocks keyed by their exact tokens, so a prompt that starts like an
+earlier one reuses that prompt's blocks instead of recomputing them.
+
+A radix tree of whole blocks, one root per adapter (adapters never share). Each node holds
+one block and its `block_size` tokens; children are keyed by their exact token tuples, so a
+hash collision can never hand one prompt another prompt's KV. Each node also carries a
+chained 64-bit content hash (blake2b of the parent's hash and the tokens: the same on every
+machine and process) that events report, for routers that track other engines' caches.
+
+Invariants (checked by `check_invariants`):
+- every node holds exactly `block_size` tokens, its key in its parent; no block is cached
+  twice; every cached block carries one reference of the cache's own (count >= 1);
+- a node's hash is `chain_hash(parent hash, tokens)`; a root's is `root_hash(adapter_id)`.
+
+Eviction takes least-recently-used leaves whose block only the cache holds (count 1), from
+a heap of candidates with lazy deletion: a leaf is pushed when it becomes evictable (its
+count falls to 1, or its last child is evicted) and checked again when popped, so each
+eviction costs O(log n) amortised. A block's "use" is a match, an insert, or the moment its
+last other holder released it.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import heapq
+import sys
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence, Union
+
+import numpy as np
+
+from .cache import PagedKvCache
+from .errors import KvCacheError, RefCountError
+from .log import get_logger
+
+_log = get_logger("prefix_cache")
+
+_MAX_TOKEN = 2**63 - 1
+
+
+def root_hash(adapter_id: int) -> int:
+    """The 64-bit hash a root contributes as the parent of an adapter's first blocks."""
+    digest = hashlib.blake2b(b"pagedkv-prefix-root" + adapter_id.to_bytes(8, "little"), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def chain_hash(parent_hash: int, tokens: Sequence[int]) -> int:
+    """blake2b-64 of the parent's hash (8 bytes, little-endian) then the tokens (int64
+    little-endian): stable across processes and machines."""
+    payload = parent_hash.to_bytes(8, "little") + _int64_bytes(tokens)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+
+def _int64_bytes(tokens: Sequence[int]) -> bytes:
+    data = array.array("q", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        data.byteswap()
+    return data.tobytes()
+
+
+class PrefixMatch(NamedTuple):
+    """The longest cached run of whole blocks: the blocks (one reference each now held by
+    the caller) and how many tokens they cover."""
+
+    blocks: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks newly cached along one chain: `block_hashes[i]` holds `token_ids[i*block_size:
+    (i+1)*block_size]`; `parent_block_hash` is None when the first one starts a prompt."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_size: int
+    adapter_id: int
+    kind: str = "stored"
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks evicted from the cache (their hashes, and the block ids that were freed)."""
+
+    block_hashes: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    kind: str = "removed"
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached block was dropped by `clear()`."""
+
+    kind: str = "cleared"
+
+
+PrefixCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters since construction: match calls, tokens asked and found, the hit rate
+    (hit / queried tokens, 0.0 before any query), blocks now cached, blocks evicted."""
+
+    queries: int
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_blocks: int
+    evictions: int
+
+
+class _Node:
+    __slots__ = ("tokens", "block", "hash", "parent", "children", "last_used", "adapter_id")
+
+    def __init__(self, tokens: tuple, block: int, hash_: int, parent: "_Node | None", adapter_id: int):
+        self.tokens = tokens
+        self.block = block  # -1 for a root; None once evicted
+        self.hash = hash_
+        self.parent = parent
+        self.children: dict[tuple, _Node] = {}
+        self.last_used = 0
+        self.adapter_id = adapter_id
+
+
+class PrefixCache:
+    """A prefix cache attached to one PagedKvCache (one per KV cache). It holds one
+    reference of its own on every cached block, so a cached block never reaches the free
+    list while cached; `PagedKvCache.alloc_blocks` asks it to evict when short."""
+
+    def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None):
+        if not isinstance(cache, PagedKvCache):
+            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable, got {on_event!r}")
+        self._cache = cache
+        self._block_size = cache.block_size()
+        self._on_event = on_event
+        self._roots: dict[int, _Node] = {}
+        self._by_block: dict[int, _Node] = {}
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._clock = 0
+        self._serial = 0
+        self._queries = self._queried_tokens = self._hit_tokens = self._evictions = 0
+        cache.attach_prefix_cache(self)
+
+    # -- lookup and registration -------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+        """The longest cached run of whole blocks at the start of `tokens`; takes one
+        reference for the caller on each returned block (free it like your own) and
+        refreshes their recency."""
+        adapter_id = adapter_id_checked(adapter_id)
+        if isinstance(tokens, np.ndarray):
+            tokens = tokens.tolist()
+        bs = self._block_size
+        node = self._roots.get(adapter_id)
+        path: list[_Node] = []
+        if node is not None:
+            for start in range(0, len(tokens) - bs + 1, bs):
+                child = node.children.get(tuple(tokens[start : start + bs]))
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+        blocks = [n.block for n in path]
+        self._cache.inc_refs(blocks)
+        clock = self._clock
+        for n in path:
+            clock += 1
+            n.last_used = clock
+        self._clock = clock
+        hit = len(blocks) * bs
+        self._queries += 1
+        self._queried_tokens += len(tokens)
+        self._hit_tokens += hit
+        return PrefixMatch(blocks, hit)
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0) -> int:
+        """Register the caller's full blocks of `tokens` (`blocks[i]` holds tokens
+        `i*block_size ..`; a final partial block is not cached). Chunks already cached keep
+        their block; new ones take one reference of the cache's own on the caller's block.
+        Returns how many blocks were newly cached. Checked before anything changes."""
+        adapter_id = adapter_id_checked(adapter_id)
+        tokens = token_list(tokens)
+        blocks = [self._cache._block(b) for b in blocks]
+        bs = self._block_size
+        n_full = len(tokens) // bs
+        if not n_full <= len(blocks) <= -(-len(tokens) // bs):
+            raise ValueError(
+                f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given"
+            )
+        root = self._roots.get(adapter_id)
+        node, first_new = root, 0
+        if node is not None:
+            while first_new < n_full:
+                child = node.children.get(tuple(tokens[first_new * bs : (first_new + 1) * bs]))
+                if child is None:
+                    break
+                node, first_new = child, first_new + 1
+        new_blocks = blocks[first_new:n_full]
+        self._check_new_blocks(new_blocks)
+        if root is None:
+            root = self._roots[adapter_id] = _Node((), -1, root_hash(adapter_id), None, adapter_id)
+            node = root
+        path_node = root
+        for i in range(first_new):
+            path_node = path_node.children[tuple(tokens[i * bs : (i + 1) * bs])]
+            self._touch(path_node)
+        parent = node
+        hashes = []
+        for offset, block in enumerate(new_blocks):
+            chunk = tuple(tokens[(first_new + offset) * bs : (first_new + offset + 1) * bs])
+            child = _Node(chunk, block, chain_hash(parent.hash, chunk), parent, adapter_id)
+            self._cache.inc_ref(block)
+            parent.children[chunk] = child
+            self._by_block[block] = child
+            self._clock += 1
+            child.last_used = self._clock
+            hashes.append(child.hash)
+            parent = child
+        if new_blocks and self._on_event is not None:
+            self._on_event(
+                BlockStored(
+                    block_hashes=tuple(hashes),
+                    parent_block_hash=None if node is root else node.hash,
+                    token_ids=tuple(tokens[first_new * bs : n_full * bs]),
+                    block_ids=tuple(new_blocks),
+                    block_size=bs,
+                    adapter_id=adapter_id,
+                )
+            )
+        return len(new_blocks)
+
+    def _check_new_blocks(self, blocks: list[int]) -> None:
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"insert given a block twice: {blocks}")
+        for block in blocks:
+            if block in self._by_block:
+                raise ValueError(f"block {block} is already cached for other tokens")
+            if self._cache.ref_count(block) == 0:
+                raise RefCountError(f"insert of free block {block}: the caller must hold it")
+
+    def _touch(self, node: _Node) -> None:
+        self._clock += 1
+        node.last_used = self._clock
+        if not node.children and self._cache.ref_count(node.block) == 1:
+            self._push(node)
+
+    # -- eviction ----------------------------------------------------------------------
+
+    def on_sole_reference(self, block: int) -> None:
+        """Called by the cache when `block`'s count falls to 1: if it is a cached leaf, it is
+        now evictable and this release counts as its latest use."""
+        node = self._by_block.get(block)
+        if node is not None and not node.children:
+            self._clock += 1
+            node.last_used = self._clock
+            self._push(node)
+
+    def _push(self, node: _Node) -> None:
+        heap = self._heap
+        if len(heap) > 2 * len(self._by_block) + 64:
+            self._rebuild_heap()
+        self._serial += 1
+        heapq.heappush(heap, (node.last_used, self._serial, node))
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale entries: keep one per currently evictable leaf."""
+        ref_count = self._cache.ref_count
+        entries = []
+        for node in self._by_block.values():
+            if not node.children and ref_count(node.block) == 1:
+                self._serial += 1
+                entries.append((node.last_used, self._serial, node))
+        heapq.heapify(entries)
+        self._heap = entries
+
+    def _select(self, limit: int) -> list[tuple[int, _Node]]:
+        """Pop up to `limit` victims in eviction order, children before parents, without
+        changing the tree; each comes with its stamp so `_unselect` can push it back."""
+        heap, ref_count = self._heap, self._cache.ref_count
+        chosen: list[tuple[int, _Node]] = []
+        chosen_ids: set[int] = set()
+        gone_children: dict[int, int] = {}
+        while heap and len(chosen) < limit:
+            stamp, _, node = heapq.heappop(heap)
+            if (
+                node.block is None
+                or stamp != node.last_used
+                or id(node) in chosen_ids
+                or len(node.children) != gone_children.get(id(node), 0)
+                or ref_count(node.block) != 1
+            ):
+                continue  # stale: used, grown, re-held or evicted since it was pushed
+            chosen.append((stamp, node))
+            chosen_ids.add(id(node))
+            parent = node.parent
+            if parent.block != -1:
+                gone = gone_children[id(parent)] = gone_children.get(id(parent), 0) + 1
+                if gone == len(parent.children) and ref_count(parent.block) == 1:
+                    self._serial += 1
+                    heapq.heappush(heap, (parent.last_used, self._serial, parent))
+        return chosen
+
+    def _unselect(self, chosen: list[tuple[int, _Node]]) -> None:
+        for stamp, node in chosen:
+            self._serial += 1
+            heapq.heappush(self._heap, (stamp, self._serial, node))
+
+    def _evict_chosen(self, chosen: list[tuple[int, _Node]]) -> list[int]:
+        blocks, hashes = [], []
+        for _, node in chosen:
+            del node.parent.children[node.tokens]
+            del self._by_block[node.block]
+            blocks.append(node.block)
+            hashes.append(node.hash)
+            node.block = None
+        for block in blocks:
+            self._cache.return_evicted_block(block)
+        self._evictions += len(blocks)
+        if blocks:
+            _log.debug("prefix_cache_evicted", blocks=len(blocks))
+            if self._on_event is not None:
+                self._on_event(BlockRemoved(block_hashes=tuple(hashes), block_ids=tuple(blocks)))
+        return blocks
+
+    def evict(self, n: int) -> list[int]:
+        """Evict up to `n` least-recently-used leaves whose block only the cache holds,
+        children before parents; returns the blocks, now on the free list. A block a
+        sequence still holds is never evicted."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"number of blocks to evict must be a non-negative int, got {n!r}")
+        return self._evict_chosen(self._select(n))
+
+    def reclaim(self, n: int) -> bool:
+        """Evict exactly `n` blocks if that many are evictable, else nothing; True on
+        success. The cache calls this when its free list is short."""
+        chosen = self._select(n)
+        if len(chosen) < n:
+            self._unselect(chosen)
+            return False
+        self._evict_chosen(chosen)
+        return True
+
+    def clear(self) -> None:
+        """Forget every cached block, handing back the cache's references (blocks that
+        sequences still hold stay with them)."""
+        blocks = list(self._by_block)
+        for node in self._by_block.values():
+            node.block = None
+        self._roots.clear()
+        self._by_block.clear()
+        self._heap = []
+        for block in blocks:
+            self._cache.return_evicted_block(block)
+        _log.info("prefix_cache_cleared", blocks=len(blocks))
+        if self._on_event is not None:
+            self._on_event(AllBlocksCleared())
+
+    def close(self) -> None:
+        """`clear()` and detach from the cache, which then allocates without evicting."""
+        self.clear()
+        self._cache.detach_prefix_cache(self)
+
+    # -- introspection -----------------------------------------------------------------
+
+    def stats(self) -> PrefixCacheStats:
+        """Counters since construction (see PrefixCacheStats)."""
+        rate = self._hit_tokens / self._queried_tokens if self._queried_tokens else 0.0
+        return PrefixCacheStats(
+            queries=self._queries,
+            queried_tokens=self._queried_tokens,
+            hit_tokens=self._hit_tokens,
+            hit_rate=rate,
+            cached_blocks=len(self._by_block),
+            evictions=self._evictions,
+        )
+
+    def num_cached_blocks(self) -> int:
+        """How many blocks the cache holds."""
+        return len(self._by_block)
+
+    def is_cached(self, block: int) -> bool:
+        """True when `block` is in the cache."""
+        return block in self._by_block
+
+    def block_hash(self, block: int) -> int:
+        """The chained content hash of a cached block; KeyError when it is not cached."""
+        node = self._by_block.get(block)
+        if node is None:
+            raise KeyError(f"block {block} is not in the prefix cache")
+        return node.hash
+
+    def block_references(self) -> dict[int, int]:
+        """block -> references the prefix cache holds (1 per cached block)."""
+        return dict.fromkeys(self._by_block, 1)
+
+    def check_invariants(self) -> None:
+        """Raise KvCacheError if the tree, the block index and the counts disagree: every
+        node has `block_size` tokens under its own key and a correct chained hash, no block
+        is cached twice, every cached block holds count >= 1 (O(cached blocks))."""
+        seen = 0
+        for adapter_id, root in self._roots.items():
+            if root.hash != root_hash(adapter_id) or root.block != -1:
+                raise KvCacheError(f"root of adapter {adapter_id} is corrupt")
+            stack = [root]
+            while stack:
+                parent = stack.pop()
+                for key, node in parent.children.items():
+                    seen += 1
+                    if node.parent is not parent or node.tokens != key or len(key) != self._block_size:
+                        raise KvCacheError(f"prefix tree node for block {node.block} is misplaced")
+                    if node.adapter_id != adapter_id:
+                        raise KvCacheError(f"block {node.block} sits under adapter {adapter_id}'s root")
+                    if node.hash != chain_hash(parent.hash, key):
+                        raise KvCacheError(f"block {node.block} carries a wrong hash {node.hash:#x}")
+                    if self._by_block.get(node.block) is not node:
+                        raise KvCacheError(f"block {node.block} is in the tree but not indexed")
+                    if self._cache.ref_count(node.block) < 1:
+                        raise RefCountError(f"cached block {node.block} has count 0")
+                    stack.append(node)
+        if seen != len(self._by_block):
+            raise KvCacheError(f"{len(self._by_block)} blocks indexed but {seen} in the tree")
+
+
+def adapter_id_checked(adapter_id: object) -> int:
+    """`adapter_id` if it is a non-negative int (0 = base model), else ValueError naming it."""
+    if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or adapter_id < 0:
+        raise ValueError(f"adapter_id must be a non-negative int, got {adapter_id!r}")
+    return adapter_id
+
+
+def token_list(tokens: Sequence[int]) -> list[int]:
+    """`tokens` as a list of ints in [0, 2**63); ValueError/TypeError names a bad entry."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not (tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
+            raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
+        tokens = tokens.tolist()
+    elif isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    out = list(tokens)
+    for i, t in enumerate(out):
+        if type(t) is not int:
+            if isinstance(t, (bool, float)) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"token {i} must be an int, got {t!r}")
+            out[i] = t = int(t)
+        if not 0 <= t <= _MAX_TOKEN:
+            raise ValueError(f"token {i} is {t}: token ids must lie in [0, 2**63)")
+    return out

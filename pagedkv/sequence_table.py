@@ -1,0 +1,428 @@
+"""SequenceTable: per-sequence block tables for an engine's scheduler, over one PagedKvCache.
+
+Each sequence holds one reference on each of its blocks. `add` reuses the prefix cache's
+match and allocates the rest; `append` allocates only when a block boundary is crossed;
+`fork` shares every block and copies a shared, partly filled last block on the first write
+(copy-on-write); `free` offers the sequence's full, fully known blocks to the prefix cache
+and drops its references tail first. With `config.cache_blocks_per_seq = N` a sequence
+holds at most its N newest blocks (sliding window).
+
+Token ids: `add` takes the prompt's ids; `append` takes ids or only a count. The table
+remembers a sequence's ids up to its first token given only as a count, and only blocks
+wholly inside that known run are ever offered to the prefix cache. A sequence whose window
+has dropped a block is never offered (its chain no longer starts at the prompt).
+
+Every `add`/`append` is all-or-nothing: on any error every count is as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend
+from .cache import PagedKvCache
+from .errors import KvCacheError
+from .log import get_logger
+from .prefix_cache import PrefixCache, adapter_id_checked, token_list
+
+_log = get_logger("sequence_table")
+
+_ALIGN = 16  # bytes between arrays packed into one upload
+
+
+class PageTable(NamedTuple):
+    """The CSR block lists of paged-attention kernels: sequence i's blocks are
+    `indices[indptr[i]:indptr[i+1]]`; `last_page_len[i]` tokens fill its last block."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+
+
+class Exported(NamedTuple):
+    """An export for kernels: `host` (a numpy array, or a PageTable of arrays) and, when the
+    table has a backend, `device` (a DevicePtr, or a PageTable of DevicePtrs) into a buffer
+    the table owns and overwrites on the next export of the same kind; else None."""
+
+    host: object
+    device: object
+
+
+class _Seq:
+    __slots__ = ("blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared")
+
+    def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
+        self.blocks = blocks  # held blocks, oldest first
+        self.num_tokens = num_tokens
+        self.tokens = tokens  # ids of the first len(tokens) tokens
+        self.tokens_known = True  # False once a token arrived as a count only
+        self.dropped = 0  # blocks released at the front by the sliding window
+        self.adapter_id = adapter_id
+        self.step_start = step_start  # first position written by the latest add/append
+        self.maybe_shared = False  # set by fork: the partly filled last block may be shared
+
+    def clone(self) -> "_Seq":
+        other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
+        other.tokens_known, other.dropped = self.tokens_known, self.dropped
+        return other
+
+
+class SequenceTable:
+    """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
+    poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
+    exports are uploaded; without one, the table is bookkeeping only and the engine performs
+    `take_pending_copies()` itself."""
+
+    def __init__(
+        self,
+        cache: PagedKvCache,
+        prefix_cache: PrefixCache | None = None,
+        gpu: GpuBackend | None = None,
+        stream: int = 0,
+    ):
+        if not isinstance(cache, PagedKvCache):
+            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        if prefix_cache is not None:
+            if not isinstance(prefix_cache, PrefixCache):
+                raise TypeError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")
+            if cache.attached_prefix_cache() is not prefix_cache:
+                raise ValueError("prefix_cache is attached to a different PagedKvCache")
+        self._cache = cache
+        self._prefix = prefix_cache
+        self._gpu = gpu
+        self._stream = stream
+        self._bs = cache.block_size()
+        self._window = cache.config().cache_blocks_per_seq
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self._buffers: dict[str, tuple[DevicePtr, int]] = {}
+
+    # -- lifecycle of a sequence -------------------------------------------------------
+
+    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
+        """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
+        the prefix cache (whole blocks; never the last prompt token, which the engine must
+        compute). Raises ValueError for a duplicate id or a prompt longer than the window,
+        KvCacheExhausted when blocks run out."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens = token_list(prompt_tokens)
+        n = len(tokens)
+        needed = -(-n // self._bs)
+        if self._window is not None and needed > self._window:
+            raise ValueError(
+                f"prompt of {n} tokens needs {needed} blocks but the window holds {self._window}"
+            )
+        adapter_id = adapter_id_checked(adapter_id)
+        blocks, matched = [], 0
+        if self._prefix is not None and n > 1:
+            blocks, matched = self._prefix.match(tokens[: n - 1], adapter_id)
+        try:
+            fresh = self._cache.alloc_blocks(needed - len(blocks))
+        except BaseException:
+            self._cache.free_blocks(blocks)
+            raise
+        try:
+            self._init(fresh)
+        except BaseException:
+            self._cache.free_blocks(blocks + fresh)
+            raise
+        self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+        return matched
+
+    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+        """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
+        when given, are remembered so the blocks can be cached. Allocates only at a block
+        boundary, copies a shared partly filled last block first, and releases the oldest
+        blocks beyond the window. ValueError when the step's tokens span more blocks than
+        the window; KvCacheExhausted (nothing changed) when blocks run out."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        if token_ids is not None:
+            token_ids = token_list(token_ids)
+            if n_tokens is None:
+                n_tokens = len(token_ids)
+            elif n_tokens != len(token_ids):
+                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
+        elif n_tokens is None:
+            n_tokens = 1
+        if type(n_tokens) is not int or n_tokens < 0:
+            raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
+        old = seq.num_tokens
+        total = old + n_tokens
+        bs = self._bs
+        have = seq.dropped + len(seq.blocks)
+        if total <= have * bs and not seq.maybe_shared:
+            seq.num_tokens = total  # the decode fast path: room in a private last block
+            seq.step_start = old
+            self._remember(seq, n_tokens, token_ids)
+            return
+        self._grow(seq, old, total, n_tokens)
+        self._remember(seq, n_tokens, token_ids)
+
+    def _grow(self, seq: _Seq, old: int, total: int, n_tokens: int) -> None:
+        bs, cache = self._bs, self._cache
+        have = seq.dropped + len(seq.blocks)
+        needed = -(-total // bs)
+        if self._window is not None and n_tokens and needed - old // bs > self._window:
+            raise ValueError(
+                f"appending {n_tokens} tokens at position {old} spans {needed - old // bs} blocks "
+                f"but the window holds {self._window}"
+            )
+        copy = int(bool(n_tokens and seq.maybe_shared and old % bs and cache.ref_count(seq.blocks[-1]) > 1))
+        fresh = cache.alloc_blocks(max(needed - have, 0) + copy)
+        try:
+            self._init(fresh[copy:])
+            if copy:
+                self._copy(seq.blocks[-1], fresh[0])
+        except BaseException:
+            cache.free_blocks(fresh)
+            raise
+        if copy:
+            shared, seq.blocks[-1] = seq.blocks[-1], fresh[0]
+            cache.dec_ref(shared)
+        seq.blocks.extend(fresh[copy:])
+        if n_tokens:
+            seq.maybe_shared = False
+        if self._window is not None and len(seq.blocks) > self._window:
+            extra = len(seq.blocks) - self._window
+            released, seq.blocks[:extra] = seq.blocks[:extra], []
+            seq.dropped += extra
+            seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
+            cache.free_blocks(released)
+        seq.num_tokens = total
+        seq.step_start = old
+
+    @staticmethod
+    def _remember(seq: _Seq, n_tokens: int, token_ids: list[int] | None) -> None:
+        if not seq.tokens_known or not n_tokens:
+            return
+        if token_ids is None:
+            seq.tokens_known = False
+        else:
+            seq.tokens.extend(token_ids)
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Start `dst` as a copy of `src` sharing every block (one more reference each); the
+        first write of either into a shared, partly filled last block copies it first."""
+        parent = self._seqs.get(src)
+        if parent is None:
+            raise KeyError(f"unknown sequence {src!r}")
+        if dst in self._seqs:
+            raise ValueError(f"sequence {dst!r} already exists")
+        child = parent.clone()
+        for block in child.blocks:
+            self._cache.inc_ref(block)
+        if parent.num_tokens % self._bs:
+            parent.maybe_shared = child.maybe_shared = True
+        self._seqs[dst] = child
+
+    def free(self, seq_id: Hashable) -> None:
+        """End a sequence: offer its full, fully known blocks to the prefix cache (when
+        there is one and the window dropped nothing), then drop its references tail first."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        try:
+            self._offer(seq)
+        finally:
+            self._cache.free_blocks(seq.blocks)
+
+    def cache_prefix(self, seq_id: Hashable) -> int:
+        """Offer a live sequence's full, fully known blocks to the prefix cache now (call it
+        once their KV is written, so other requests can share them before this one ends);
+        returns how many blocks were newly cached."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return self._offer(seq)
+
+    def _offer(self, seq: _Seq) -> int:
+        if self._prefix is None or seq.dropped:
+            return 0
+        full = min(len(seq.tokens), seq.num_tokens) // self._bs
+        if not full:
+            return 0
+        return self._prefix.insert(seq.tokens[: full * self._bs], seq.blocks[:full], seq.adapter_id)
+
+    def _init(self, blocks: list[int]) -> None:
+        if blocks and self._gpu is not None:
+            self._cache.init_blocks(blocks, self._gpu, self._stream)
+
+    def _copy(self, src: int, dst: int) -> None:
+        if self._gpu is not None:
+            self._cache.copy_blocks([(src, dst)], self._gpu, self._stream)
+        else:
+            self._pending_copies.append((src, dst))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write `(src, dst)` pairs a table without a backend could not perform;
+        the engine must copy them (e.g. `cache.copy_blocks`) before it writes the step and
+        before freeing sequences. Returns and forgets them."""
+        pairs, self._pending_copies = self._pending_copies, []
+        return pairs
+
+    # -- queries -----------------------------------------------------------------------
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_ids(self) -> list[Hashable]:
+        """Live sequence ids, in the order they were added."""
+        return list(self._seqs)
+
+    def _get(self, seq_id: Hashable) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens in the sequence, including any whose blocks the window released."""
+        return self._get(seq_id).num_tokens
+
+    def blocks(self, seq_id: Hashable) -> list[int]:
+        """The blocks the sequence holds, oldest first (a copy)."""
+        return list(self._get(seq_id).blocks)
+
+    def first_block_position(self, seq_id: Hashable) -> int:
+        """Token position where the first held block starts (non-zero once the window
+        released blocks)."""
+        return self._get(seq_id).dropped * self._bs
+
+    def block_references(self) -> dict[int, int]:
+        """block -> references the live sequences hold."""
+        refs: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for block in seq.blocks:
+                refs[block] = refs.get(block, 0) + 1
+        return refs
+
+    def check_invariants(self) -> None:
+        """Check the cache's invariants, the prefix cache's, and that every block's count
+        equals the references this table and its prefix cache hold (assumes they are the
+        cache's only users). O(num_blocks + held blocks)."""
+        held = self.block_references()
+        if self._prefix is not None:
+            self._prefix.check_invariants()
+            for block in self._prefix.block_references():
+                held[block] = held.get(block, 0) + 1
+        partial_owners: dict[int, list[_Seq]] = {}
+        for seq_id, seq in self._seqs.items():
+            capacity = (seq.dropped + len(seq.blocks)) * self._bs
+            if not capacity - self._bs < seq.num_tokens <= capacity:
+                raise KvCacheError(f"sequence {seq_id!r} holds {len(seq.blocks)} blocks for {seq.num_tokens} tokens")
+            if seq.num_tokens % self._bs:
+                partial_owners.setdefault(seq.blocks[-1], []).append(seq)
+        for block, owners in partial_owners.items():
+            if len(owners) > 1 and not all(seq.maybe_shared for seq in owners):
+                raise KvCacheError(f"partly filled block {block} is shared without copy-on-write pending")
+        self._cache.check_invariants(held)
+
+    # -- exports for attention kernels -------------------------------------------------
+
+    def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
+        """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
+        with -1."""
+        seqs = [self._get(s) for s in seq_ids]
+        width = max((len(s.blocks) for s in seqs), default=0)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            table[row, : len(seq.blocks)] = seq.blocks
+        return Exported(table, self._upload("block_table", [table]))
+
+    def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
+        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks
+        (`last_page_len` is 0 for a sequence with no tokens)."""
+        seqs = [self._get(s) for s in seq_ids]
+        lengths = np.fromiter((len(s.blocks) for s in seqs), dtype=np.int32, count=len(seqs))
+        indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=indptr[1:])
+        indices = np.fromiter((b for s in seqs for b in s.blocks), dtype=np.int32, count=int(indptr[-1]))
+        bs = self._bs
+        last = np.fromiter(
+            (s.num_tokens - (s.dropped + len(s.blocks) - 1) * bs if s.blocks else 0 for s in seqs),
+            dtype=np.int32,
+            count=len(seqs),
+        )
+        host = PageTable(indptr, indices, last)
+        device = self._upload("page_table", list(host))
+        return Exported(host, None if device is None else PageTable(*device))
+
+    def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
+        """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
+        `add` or `append` introduced (for `add`, those after the prefix-cache match),
+        sequence after sequence, padded with -1 (skip) to `pad_to` entries."""
+        bs = self._bs
+        out: list[int] = []
+        for seq_id in seq_ids:
+            seq = self._get(seq_id)
+            blocks, dropped = seq.blocks, seq.dropped
+            if seq.num_tokens - seq.step_start <= 16:
+                out.extend(blocks[p // bs - dropped] * bs + p % bs for p in range(seq.step_start, seq.num_tokens))
+            else:
+                positions = np.arange(seq.step_start, seq.num_tokens, dtype=np.int64)
+                held = np.asarray(blocks, dtype=np.int64)
+                out.extend((held[positions // bs - dropped] * bs + positions % bs).tolist())
+        slots = np.array(out, dtype=np.int64)
+        if pad_to is not None:
+            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < slots.size:
+                raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
+            slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
+        return Exported(slots, self._upload("slot_mapping", [slots]))
+
+    def _upload(self, kind: str, arrays: list[np.ndarray]):
+        """Pack `arrays` into one host buffer and copy it to this kind's device buffer in one
+        copy; the DevicePtr of each array (one, or a list), or None without a backend."""
+        if self._gpu is None:
+            return None
+        offsets, total = [], 0
+        for arr in arrays:
+            offsets.append(total)
+            total += -(-arr.nbytes // _ALIGN) * _ALIGN
+        staging = np.zeros(max(total, _ALIGN), dtype=np.uint8)
+        for arr, offset in zip(arrays, offsets):
+            staging[offset : offset + arr.nbytes] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        base = self._device_buffer(kind, staging.nbytes)
+        self._gpu.copy_h2d(staging, base)
+        ptrs = [base.offset(o) for o in offsets]
+        return ptrs[0] if len(ptrs) == 1 else ptrs
+
+    def _device_buffer(self, kind: str, nbytes: int) -> DevicePtr:
+        current = self._buffers.get(kind)
+        if current is not None and current[1] >= nbytes:
+            return current[0]
+        size = max(nbytes, 2 * current[1] if current else 4096)
+        ptr = self._gpu.alloc(size)
+        if current is not None:
+            del self._buffers[kind]
+            self._gpu.free(current[0])
+        self._buffers[kind] = (ptr, size)
+        return ptr
+
+    # -- release -----------------------------------------------------------------------
+
+    def label(self) -> str:
+        """A short name for teardown messages."""
+        return f"SequenceTable({len(self._seqs)} sequences)"
+
+    def release(self, gpu: GpuBackend | None = None) -> None:
+        """Free the export buffers on the table's backend (`gpu` if it has none); the
+        sequences and their blocks stay. A second call does nothing."""
+        backend = self._gpu or gpu
+        buffers, self._buffers = self._buffers, {}
+        first: BaseException | None = None
+        for ptr, _ in buffers.values():
+            try:
+                backend.free(ptr)
+            except Exception as err:  # noqa: BLE001 - every buffer must be attempted
+                first = first or err
+                _log.error("sequence_table_buffer_free_failed", error=str(err))
+        if first is not None:
+            raise first

@@ -1,0 +1,280 @@
+"""PrefixCache: exact-token radix tree, references, LRU eviction, evicting allocation, events."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from pagedkv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvCacheConfig,
+    KvCacheError,
+    KvCacheExhausted,
+    PagedKvCache,
+    PrefixCache,
+    PrefixMatch,
+    RefCountError,
+)
+from pagedkv.prefix_cache import chain_hash, root_hash
+
+BS = 4
+
+
+def make_cache(gpu, num_blocks=8):
+    config = KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=16, num_layers=2, dtype="bf16")
+    return PagedKvCache(config, num_blocks, gpu)
+
+
+def counts(cache):
+    return [cache.ref_count(b) for b in range(cache.num_blocks())]
+
+
+def held_by_caller(cache, tokens, prefix, adapter_id=0):
+    """Allocate blocks for `tokens`, insert them, and return them (the caller still holds them)."""
+    blocks = cache.alloc_blocks(-(-len(tokens) // BS))
+    prefix.insert(tokens, blocks, adapter_id)
+    return blocks
+
+
+def test_empty_cache_matches_nothing(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    assert prefix.match(list(range(12))) == PrefixMatch([], 0)
+    stats = prefix.stats()
+    assert (stats.queries, stats.queried_tokens, stats.hit_tokens, stats.hit_rate) == (1, 12, 0, 0.0)
+    assert (stats.cached_blocks, stats.evictions) == (0, 0)
+
+
+def test_insert_takes_one_reference_and_match_one_more(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    tokens = list(range(10))  # two full blocks and a partial one
+    blocks = cache.alloc_blocks(3)
+    assert prefix.insert(tokens, blocks) == 2
+    assert [cache.ref_count(b) for b in blocks] == [2, 2, 1]
+    assert prefix.num_cached_blocks() == 2 and not prefix.is_cached(blocks[2])
+    found = prefix.match(tokens + [77, 78])
+    assert found == PrefixMatch(blocks[:2], 8)
+    assert [cache.ref_count(b) for b in blocks] == [3, 3, 1]
+    assert prefix.match(np.array(tokens[:7])) == PrefixMatch(blocks[:1], 4)
+    assert prefix.stats().hit_tokens == 12 and prefix.stats().queried_tokens == 19
+    assert prefix.stats().hit_rate == 12 / 19
+    cache.free_blocks(blocks)
+    cache.free_blocks(blocks[:2])
+    cache.free_blocks(blocks[:1])
+    assert [cache.ref_count(b) for b in blocks] == [1, 1, 0]
+    prefix.check_invariants()
+    cache.check_invariants(prefix.block_references())
+
+
+def test_keys_are_exact_tokens_not_hashes(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    a = held_by_caller(cache, [1, 2, 3, 4, 5, 6, 7, 8], prefix)
+    b = held_by_caller(cache, [1, 2, 3, 4, 5, 6, 7, 9], prefix)
+    assert b[0] != a[0]  # the caller's first block was a duplicate chunk: not cached
+    assert prefix.is_cached(a[0]) and not prefix.is_cached(b[0]) and prefix.is_cached(b[1])
+    assert prefix.match([1, 2, 3, 4, 5, 6, 7, 9]).blocks == [a[0], b[1]]
+    assert prefix.match([1, 2, 3, 4, 5, 6, 7, 10]).blocks == [a[0]]
+    assert prefix.match([1, 2, 3, 5]).blocks == []
+
+
+def test_adapters_never_share(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    base = held_by_caller(cache, [1, 2, 3, 4], prefix, adapter_id=0)
+    lora = held_by_caller(cache, [1, 2, 3, 4], prefix, adapter_id=3)
+    assert prefix.match([1, 2, 3, 4, 9]).blocks == base
+    assert prefix.match([1, 2, 3, 4, 9], adapter_id=3).blocks == lora
+    assert prefix.match([1, 2, 3, 4, 9], adapter_id=1).blocks == []
+    assert prefix.block_hash(base[0]) != prefix.block_hash(lora[0])
+
+
+def test_hash_is_chained_blake2b_of_parent_and_int64_tokens(gpu):
+    seed = hashlib.blake2b(b"pagedkv-prefix-root" + (0).to_bytes(8, "little"), digest_size=8).digest()
+    assert root_hash(0) == int.from_bytes(seed, "little")
+    first = hashlib.blake2b(seed + struct.pack("<4q", 1, 2, 3, 4), digest_size=8).digest()
+    second = hashlib.blake2b(first + struct.pack("<4q", 5, 6, 7, 8), digest_size=8).digest()
+    assert chain_hash(root_hash(0), [1, 2, 3, 4]) == int.from_bytes(first, "little")
+    cache = make_cache(gpu)
+    events = []
+    prefix = PrefixCache(cache, on_event=events.append)
+    blocks = held_by_caller(cache, [1, 2, 3, 4, 5, 6, 7, 8], prefix)
+    hashes = (int.from_bytes(first, "little"), int.from_bytes(second, "little"))
+    assert [prefix.block_hash(b) for b in blocks] == list(hashes)
+    assert events == [
+        BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=(1, 2, 3, 4, 5, 6, 7, 8),
+            block_ids=tuple(blocks),
+            block_size=BS,
+            adapter_id=0,
+        )
+    ]
+    more = cache.alloc_blocks(3)
+    prefix.insert([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9], more)
+    assert events[-1].parent_block_hash == hashes[1]
+    assert events[-1].block_ids == (more[2],) and events[-1].token_ids == (9, 9, 9, 9)
+
+
+def test_evict_takes_lru_leaves_held_by_the_cache_alone(gpu):
+    cache = make_cache(gpu)
+    events = []
+    prefix = PrefixCache(cache, on_event=events.append)
+    a = held_by_caller(cache, [1] * 8, prefix)  # chain a0 -> a1
+    b = held_by_caller(cache, [2] * 4, prefix)
+    cache.free_blocks(a)  # a1 released before a0 (tail first)
+    assert prefix.evict(10) == [a[1], a[0]]  # b still held by its caller
+    assert events[-1] == BlockRemoved(
+        block_hashes=(chain_hash(chain_hash(root_hash(0), [1] * 4), [1] * 4), chain_hash(root_hash(0), [1] * 4)),
+        block_ids=(a[1], a[0]),
+    )
+    assert [cache.ref_count(x) for x in a] == [0, 0]
+    cache.free_blocks(b)
+    assert prefix.stats().evictions == 2
+    assert prefix.evict(0) == []
+    assert prefix.evict(1) == b
+    prefix.check_invariants()
+    cache.check_invariants({})
+
+
+def test_recent_match_protects_a_block(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    a = held_by_caller(cache, [1] * 4, prefix)
+    b = held_by_caller(cache, [2] * 4, prefix)
+    cache.free_blocks(a)
+    cache.free_blocks(b)
+    cache.free_blocks(prefix.match([1] * 4).blocks)  # a used again, after b
+    assert prefix.evict(1) == b
+    assert prefix.evict(1) == a
+
+
+def test_parent_is_never_evicted_before_its_child(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    chain = held_by_caller(cache, [5] * 12, prefix)
+    cache.free_blocks(chain[:1])  # the root-side block is released first (oldest) ...
+    cache.free_blocks(chain[1:])
+    assert prefix.evict(1) == [chain[2]]  # ... but only a leaf may go
+    assert prefix.evict(5) == [chain[1], chain[0]]
+
+
+def test_alloc_blocks_evicts_just_enough(gpu):
+    cache = make_cache(gpu, num_blocks=6)
+    prefix = PrefixCache(cache)
+    cached = held_by_caller(cache, list(range(16)), prefix)  # 4 blocks
+    cache.free_blocks(cached)
+    assert cache.num_free_blocks() == 2
+    taken = cache.alloc_blocks(3)
+    assert prefix.num_cached_blocks() == 3 and prefix.stats().evictions == 1
+    assert not prefix.is_cached(cached[3]) and cached[3] in taken
+    assert prefix.match(list(range(16))).blocks == cached[:3]
+    cache.check_invariants({**{b: 1 for b in taken}, **{b: 2 for b in cached[:3]}})
+
+
+def test_alloc_blocks_exhausted_takes_and_evicts_nothing(gpu):
+    cache = make_cache(gpu, num_blocks=6)
+    prefix = PrefixCache(cache)
+    cached = held_by_caller(cache, list(range(16)), prefix)
+    cache.free_blocks(cached[2:])  # only the last two are evictable; the first two are held
+    before = counts(cache)
+    with pytest.raises(KvCacheExhausted, match="asked for 5 block.* 2 of 6 are free and the prefix cache"):
+        cache.alloc_blocks(5)
+    assert counts(cache) == before and prefix.num_cached_blocks() == 4
+    assert len(cache.alloc_blocks(4)) == 4  # exactly what eviction can reach
+    assert prefix.num_cached_blocks() == 2
+    prefix.check_invariants()
+
+
+def test_alloc_block_evicts_when_the_free_list_is_empty(gpu):
+    cache = make_cache(gpu, num_blocks=2)
+    prefix = PrefixCache(cache)
+    cached = held_by_caller(cache, [3] * 8, prefix)
+    with pytest.raises(KvCacheExhausted):
+        cache.alloc_block()
+    assert cache.try_alloc_block() is None
+    cache.free_block(cached[1])
+    assert cache.alloc_block() == cached[1]
+    assert prefix.num_cached_blocks() == 1 and cache.ref_count(cached[0]) == 2
+
+
+def test_insert_keeps_existing_blocks_and_rejects_bad_blocks(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    first = held_by_caller(cache, [1] * 8, prefix)
+    other = cache.alloc_blocks(2)
+    assert prefix.insert([1] * 8, other) == 0
+    assert [cache.ref_count(b) for b in other] == [1, 1]
+    before = (counts(cache), prefix.num_cached_blocks())
+    with pytest.raises(ValueError, match="block .* is already cached for other tokens"):
+        prefix.insert([2] * 4, [first[0]])
+    with pytest.raises(ValueError, match="insert given a block twice"):
+        prefix.insert([2] * 8, [other[0], other[0]])
+    free_block = cache.alloc_block()
+    cache.free_block(free_block)
+    with pytest.raises(RefCountError, match=f"insert of free block {free_block}"):
+        prefix.insert([2] * 4, [free_block])
+    with pytest.raises(ValueError, match="9 tokens fill 2 block"):
+        prefix.insert([2] * 9, [other[0]])
+    with pytest.raises(ValueError, match="token 1 is -5"):
+        prefix.insert([2, -5, 2, 2], [other[0]])
+    with pytest.raises(TypeError, match="token 0 must be an int, got 1.5"):
+        prefix.insert([1.5, 2, 2, 2], [other[0]])
+    with pytest.raises(ValueError, match="adapter_id must be a non-negative int, got -1"):
+        prefix.match([1] * 4, adapter_id=-1)
+    assert (counts(cache), prefix.num_cached_blocks()) == before
+
+
+def test_clear_returns_references_and_keeps_held_blocks(gpu):
+    cache = make_cache(gpu)
+    events = []
+    prefix = PrefixCache(cache, on_event=events.append)
+    held = held_by_caller(cache, [1] * 4, prefix)
+    idle = held_by_caller(cache, [2] * 4, prefix)
+    cache.free_blocks(idle)
+    prefix.clear()
+    assert events[-1] == AllBlocksCleared()
+    assert cache.ref_count(held[0]) == 1 and cache.ref_count(idle[0]) == 0
+    assert prefix.match([1] * 4) == PrefixMatch([], 0)
+    cache.check_invariants({held[0]: 1})
+
+
+def test_one_prefix_cache_per_kv_cache(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    with pytest.raises(KvCacheError, match="already has a prefix cache"):
+        PrefixCache(cache)
+    prefix.close()
+    assert cache.attached_prefix_cache() is None
+    PrefixCache(cache)
+
+
+def test_check_invariants_catches_count_and_tree_corruption(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    blocks = held_by_caller(cache, [1] * 8, prefix)
+    with pytest.raises(RefCountError, match=f"block {blocks[0]} has count 2 but its holders account for 1"):
+        cache.check_invariants(prefix.block_references())
+    cache.check_invariants({b: 2 for b in blocks})
+    node = prefix._by_block[blocks[1]]
+    node.hash ^= 1
+    with pytest.raises(KvCacheError, match=f"block {blocks[1]} carries a wrong hash"):
+        prefix.check_invariants()
+
+
+def test_released_blocks_stay_evictable_after_many_cycles(gpu):
+    cache = make_cache(gpu, num_blocks=8)
+    prefix = PrefixCache(cache)
+    for i in range(4):
+        cache.free_blocks(held_by_caller(cache, [i] * 4, prefix))
+    for _ in range(500):  # every release pushes a heap entry; the heap must stay bounded
+        cache.free_blocks(prefix.match([1] * 4).blocks)
+    assert len(prefix._heap) <= 2 * 4 + 65
+    assert prefix.evict(4) == [0, 2, 3, 1]

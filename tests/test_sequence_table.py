@@ -1,0 +1,264 @@
+"""SequenceTable: add/append/fork/free, copy-on-write, sliding window, exports, all-or-nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv import (
+    KvCacheConfig,
+    KvCacheExhausted,
+    PagedKvCache,
+    PageTable,
+    PrefixCache,
+    SequenceTable,
+)
+
+BS = 4
+
+
+def make_cache(gpu, num_blocks=8, window=None):
+    config = KvCacheConfig(
+        block_size=BS, num_kv_heads=1, head_dim=16, num_layers=2, dtype="bf16", cache_blocks_per_seq=window
+    )
+    return PagedKvCache(config, num_blocks, gpu)
+
+
+def counts(cache):
+    return [cache.ref_count(b) for b in range(cache.num_blocks())]
+
+
+def fill_block(cache, gpu, block, value):
+    for layer in range(cache.num_layers()):
+        data = np.full(cache.k_block_stride_bytes_for_layer(layer), value, dtype=np.uint8)
+        cache.write_block(layer, block, data, data, gpu)
+
+
+def block_bytes(cache, gpu, block, layer=0):
+    k, v = cache.read_block(layer, block, gpu)
+    return set(k.tolist()) | set(v.tolist())
+
+
+def test_add_and_append_allocate_at_block_boundaries(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    assert table.add("a", list(range(6))) == 0
+    assert table.blocks("a") == [0, 1] and table.num_tokens("a") == 6
+    assert table.slot_mapping(["a"]).host.tolist() == [0, 1, 2, 3, 4, 5]
+    table.append("a")
+    table.append("a", 1)
+    assert table.blocks("a") == [0, 1] and cache.num_free_blocks() == 6
+    table.append("a", 3)
+    assert table.blocks("a") == [0, 1, 2] and table.num_tokens("a") == 11
+    assert table.slot_mapping(["a"]).host.tolist() == [8, 9, 10]
+    table.append("a", 0)
+    assert table.slot_mapping(["a"]).host.tolist() == []
+    table.check_invariants()
+    table.free("a")
+    assert cache.num_free_blocks() == 8
+    table.check_invariants()
+
+
+def test_new_blocks_are_zeroed(gpu):
+    cache = make_cache(gpu)
+    fill_block(cache, gpu, 0, 0xAB)
+    fill_block(cache, gpu, 1, 0xAB)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", [1, 2, 3])
+    table.append("a", 2)
+    assert table.blocks("a") == [0, 1]
+    assert block_bytes(cache, gpu, 0) == {0} and block_bytes(cache, gpu, 1, layer=1) == {0}
+
+
+def test_new_blocks_are_poisoned_under_the_flag(gpu, env_flags):
+    env_flags(METRALE_KV_POISON="1")
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", [1, 2, 3, 4, 5])
+    assert block_bytes(cache, gpu, 1) == {0xFF}
+
+
+def test_add_reuses_the_prefix_cache_but_computes_the_last_token(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    prompt = list(range(8))
+    assert table.add("a", prompt) == 0
+    table.free("a")
+    assert prefix.num_cached_blocks() == 2
+    assert table.add("b", prompt) == 4  # the second block holds the last token: recomputed
+    assert table.blocks("b") == [0, 2]
+    assert table.slot_mapping(["b"]).host.tolist() == [8, 9, 10, 11]
+    assert table.add("c", prompt + [8, 9]) == 8
+    assert table.blocks("c")[:2] == [0, 1] and cache.ref_count(0) == 3
+    table.check_invariants()
+    assert prefix.stats().hit_tokens == 12
+
+
+def test_free_offers_only_blocks_whose_tokens_are_known(gpu):
+    cache = make_cache(gpu, num_blocks=12)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    table.add("a", [1, 2, 3, 4, 5, 6])
+    table.append("a", token_ids=[7, 8, 9])
+    table.append("a", 3)  # ids unknown from position 9 on
+    table.append("a", token_ids=[0, 0, 0, 0])
+    assert table.num_tokens("a") == 16
+    table.free("a")
+    assert prefix.num_cached_blocks() == 2
+    assert prefix.match([1, 2, 3, 4, 5, 6, 7, 8, 9]).num_tokens == 8
+
+
+def test_cache_prefix_publishes_a_live_sequence(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    table.add("a", list(range(9)))
+    assert table.cache_prefix("a") == 2
+    assert table.cache_prefix("a") == 0
+    assert table.add("b", list(range(9))) == 8
+    table.check_invariants()
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("p", list(range(6)))
+    fill_block(cache, gpu, 1, 0x5A)  # the engine wrote the prompt's KV
+    table.fork("p", "c")
+    assert table.blocks("c") == [0, 1] and counts(cache)[:2] == [2, 2]
+    table.append("c", 1)
+    assert table.blocks("c") == [0, 2] and counts(cache)[:3] == [2, 1, 1]
+    assert block_bytes(cache, gpu, 2) == {0x5A}  # copied, not zeroed
+    table.append("p", 1)
+    assert table.blocks("p") == [0, 1]  # the parent's block is private again: no copy
+    table.check_invariants()
+    table.free("p")
+    table.free("c")
+    assert cache.num_free_blocks() == 8
+
+
+def test_fork_at_a_block_boundary_copies_nothing(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("p", list(range(8)))
+    table.fork("p", "c")
+    table.append("c", 1)
+    table.append("p", 1)
+    assert table.blocks("c") == [0, 1, 2] and table.blocks("p") == [0, 1, 3]
+    table.check_invariants()
+
+
+def test_without_a_backend_copies_are_handed_to_the_engine(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache)
+    table.add("p", [1, 2])
+    table.fork("p", "c")
+    table.append("p", 1)
+    assert table.take_pending_copies() == [(0, 1)]
+    assert table.take_pending_copies() == []
+    assert table.block_table(["p"]).device is None
+
+
+def test_sliding_window_releases_the_oldest_block(gpu):
+    cache = make_cache(gpu, window=2)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    table.add("a", list(range(7)))
+    table.append("a", 2)
+    assert table.blocks("a") == [1, 2] and cache.ref_count(0) == 0
+    assert table.first_block_position("a") == 4 and table.num_tokens("a") == 9
+    assert table.slot_mapping(["a"]).host.tolist() == [7, 8]
+    page = table.page_table(["a"]).host
+    assert page.indices.tolist() == [1, 2] and page.last_page_len.tolist() == [1]
+    with pytest.raises(ValueError, match="prompt of 9 tokens needs 3 blocks but the window holds 2"):
+        table.add("b", list(range(9)))
+    with pytest.raises(ValueError, match="appending 8 tokens at position 9 spans 3 blocks"):
+        table.append("a", 8)
+    table.free("a")
+    assert prefix.num_cached_blocks() == 0  # its chain no longer starts at the prompt
+    table.check_invariants()
+
+
+def test_exports_and_their_single_upload(gpu):
+    cache = make_cache(gpu, num_blocks=16)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add(7, list(range(9)))
+    table.add(3, [5])
+    table.add(9, [])
+    exported = table.block_table([3, 7, 9])
+    assert exported.host.dtype == np.int32
+    assert exported.host.tolist() == [[3, -1, -1], [0, 1, 2], [-1, -1, -1]]
+    back = np.empty_like(exported.host)
+    gpu.copy_d2h(exported.device, back)
+    assert back.tolist() == exported.host.tolist()
+    page = table.page_table([7, 3, 9])
+    assert [a.tolist() for a in page.host] == [[0, 3, 4, 4], [0, 1, 2, 3], [1, 1, 0]]
+    assert all(a.dtype == np.int32 for a in page.host)
+    for host_array, ptr in zip(page.host, page.device):
+        back = np.empty_like(host_array)
+        gpu.copy_d2h(ptr, back)
+        assert back.tolist() == host_array.tolist()
+    slots = table.slot_mapping([3, 7], pad_to=12)
+    assert slots.host.dtype == np.int64
+    assert slots.host.tolist() == [12, 0, 1, 2, 3, 4, 5, 6, 7, 8, -1, -1]
+    back = np.empty_like(slots.host)
+    gpu.copy_d2h(slots.device, back)
+    assert back.tolist() == slots.host.tolist()
+    with pytest.raises(ValueError, match="pad_to must be an int >= the 10 slots, got 4"):
+        table.slot_mapping([3, 7], pad_to=4)
+    assert isinstance(page.host, PageTable)
+    table.release()
+    table.release()
+
+
+def test_errors_name_the_bad_value(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", [1])
+    with pytest.raises(ValueError, match="sequence 'a' already exists"):
+        table.add("a", [1])
+    for call in (lambda: table.append("x"), lambda: table.free("x"), lambda: table.fork("x", "y")):
+        with pytest.raises(KeyError, match="unknown sequence 'x'"):
+            call()
+    with pytest.raises(ValueError, match="sequence 'a' already exists"):
+        table.fork("a", "a")
+    with pytest.raises(ValueError, match="n_tokens must be a non-negative int, got -1"):
+        table.append("a", -1)
+    with pytest.raises(ValueError, match="n_tokens is 2 but 1 token ids were given"):
+        table.append("a", 2, token_ids=[5])
+    with pytest.raises(KeyError, match="unknown sequence 'q'"):
+        table.block_table(["a", "q"])
+    with pytest.raises(ValueError, match="prefix_cache is attached to a different PagedKvCache"):
+        SequenceTable(cache, PrefixCache(make_cache(gpu)))
+
+
+def test_running_out_of_blocks_changes_nothing(gpu):
+    cache = make_cache(gpu, num_blocks=4)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    table.add("a", list(range(9)))
+    table.cache_prefix("a")
+    before = (counts(cache), cache.num_free_blocks(), prefix.num_cached_blocks())
+    with pytest.raises(KvCacheExhausted):
+        table.add("b", list(range(8)) + [50] * 8)  # matches one block, needs three more
+    assert (counts(cache), cache.num_free_blocks(), prefix.num_cached_blocks()) == before
+    assert "b" not in table
+    table.append("a", 3)
+    with pytest.raises(KvCacheExhausted):
+        table.append("a", 8)
+    assert table.num_tokens("a") == 12 and table.blocks("a") == [0, 1, 2]
+    assert (counts(cache), prefix.num_cached_blocks()) == (before[0], before[2])
+    table.check_invariants()
+
+
+def test_add_evicts_cached_blocks_when_short(gpu):
+    cache = make_cache(gpu, num_blocks=4)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    table.add("a", list(range(12)))
+    table.free("a")
+    assert prefix.num_cached_blocks() == 3 and cache.num_free_blocks() == 1
+    assert table.add("b", [9] * 13) == 0
+    assert prefix.num_cached_blocks() == 0 and table.blocks("b") == [0, 1, 2, 3]
+    table.check_invariants()

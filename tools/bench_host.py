@@ -1,0 +1,189 @@
+"""Host bookkeeping benchmark: block allocation, prefix matching and a decode step, each
+measured beside its baseline in one run (best of several repeats) and printed as ratios.
+
+- alloc+free pair vs bare `list.pop`/`list.append` pairs (the floor of a Python free list);
+- `alloc_blocks(64)` + `free_blocks` vs 64 single `alloc_block`/`free_block` pairs, per block;
+- `PrefixCache.match` of a 4,096-token prompt that fully hits (block 16) vs the bare walk
+  (slice, tuple, dict lookup per block) any exact-token tree must do;
+- a decode step of 256 sequences appending one token each (`SequenceTable.append`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
+
+
+def _best(fn, repeats: int) -> float:
+    """Best wall time of `repeats` calls of `fn` (seconds)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _cache(num_blocks: int, block_size: int = 16) -> PagedKvCache:
+    config = KvCacheConfig(block_size=block_size, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16")
+    return PagedKvCache(config, num_blocks, HostBackend(capacity_bytes=1 << 30))
+
+
+def _pair(pairs: int, repeats: int) -> None:
+    cache = _cache(1024)
+    free_list = list(range(1024))
+
+    def ours():
+        alloc, free = cache.alloc_block, cache.free_block
+        for _ in range(pairs):
+            free(alloc())
+
+    def bare():
+        pop, push = free_list.pop, free_list.append
+        for _ in range(pairs):
+            push(pop())
+
+    wrapper = _CallFloor(free_list)
+
+    def calls_only():
+        alloc, free = wrapper.alloc_block, wrapper.free_block
+        for _ in range(pairs):
+            free(alloc())
+
+    t_ours, t_bare, t_calls = _best(ours, repeats), _best(bare, repeats), _best(calls_only, repeats)
+    cache.check_invariants()
+    ns_ours, ns_bare, ns_calls = (t / pairs * 1e9 for t in (t_ours, t_bare, t_calls))
+    print(
+        f"alloc_block+free_block pair   {ns_ours:8.1f} ns   list.pop+append pair {ns_bare:6.1f} ns   "
+        f"ratio {ns_ours / ns_bare:5.2f}x (target <= 4x)\n"
+        f"  floor: the same pops/appends inside two Python methods, no bookkeeping: "
+        f"{ns_calls:6.1f} ns ({ns_calls / ns_bare:4.2f}x)"
+    )
+
+
+class _CallFloor:
+    """A free list behind two Python methods and nothing else: what any pure-Python
+    allocator pays before counting a single reference."""
+
+    def __init__(self, free_list: list[int]):
+        self._free = free_list
+
+    def alloc_block(self) -> int:
+        return self._free.pop()
+
+    def free_block(self, block: int) -> None:
+        self._free.append(block)
+
+
+def _batch(rounds: int, repeats: int) -> None:
+    cache = _cache(1024)
+    n = 64
+
+    def batched():
+        alloc_blocks, free_blocks = cache.alloc_blocks, cache.free_blocks
+        for _ in range(rounds):
+            free_blocks(alloc_blocks(n))
+
+    def single():
+        alloc, free = cache.alloc_block, cache.free_block
+        for _ in range(rounds):
+            blocks = [alloc() for _ in range(n)]
+            for block in reversed(blocks):
+                free(block)
+
+    t_batch, t_single = _best(batched, repeats), _best(single, repeats)
+    cache.check_invariants()
+    us_batch, us_single = t_batch / (rounds * n) * 1e6, t_single / (rounds * n) * 1e6
+    print(
+        f"alloc_blocks(64)+free_blocks  {us_batch:8.4f} us/block   single-block path {us_single:8.4f} us/block   "
+        f"{us_single / us_batch:5.2f}x fewer (target >= 5x)"
+    )
+
+
+def _match(calls: int, repeats: int) -> None:
+    block_size, prompt_len = 16, 4096
+    cache = _cache(prompt_len // block_size + 8, block_size)
+    prefix = PrefixCache(cache)
+    prompt = list(range(100, 100 + prompt_len))
+    blocks = cache.alloc_blocks(prompt_len // block_size)
+    prefix.insert(prompt, blocks)
+    cache.free_blocks(blocks)
+    n_blocks = len(blocks)
+
+    held: list[list[int]] = []
+
+    def match_only():
+        for _ in range(calls):
+            held.append(prefix.match(prompt).blocks)
+
+    def free_matched():
+        for blocks in held:
+            cache.free_blocks(blocks)
+        held.clear()
+
+    t_match = t_free = float("inf")
+    for _ in range(repeats):
+        t_match = min(t_match, _best(match_only, 1))
+        t_free = min(t_free, _best(free_matched, 1))
+
+    tree = {}
+    node = tree
+    for start in range(0, prompt_len, block_size):
+        child = {}
+        node[tuple(prompt[start : start + block_size])] = child
+        node = child
+
+    def bare_walk():
+        for _ in range(calls):
+            node = tree
+            for start in range(0, prompt_len, block_size):
+                node = node[tuple(prompt[start : start + block_size])]
+
+    t_bare = _best(bare_walk, repeats)
+    prefix.check_invariants()
+    cache.check_invariants(prefix.block_references())
+    us_call, us_free, us_bare = t_match / calls * 1e6, t_free / calls * 1e6, t_bare / calls * 1e6
+    print(
+        f"match 4096 tokens (256 blocks of 16), full hit: {us_call:7.1f} us/call  {us_call / n_blocks:6.3f} us/block   "
+        f"bare dict walk {us_bare:6.1f} us/call   ratio {us_call / us_bare:5.2f}x\n"
+        f"  free_blocks of the 256 matched blocks:      {us_free:7.1f} us/call  {us_free / n_blocks:6.3f} us/block"
+    )
+
+
+def _decode(steps: int, repeats: int) -> None:
+    num_seqs, block_size, prompt_len = 256, 16, 100
+    cache = _cache(num_seqs * (prompt_len + steps * repeats + 2 * block_size) // block_size + 16, block_size)
+    gpu = HostBackend(capacity_bytes=1 << 24)
+    table = SequenceTable(cache)
+    for seq in range(num_seqs):
+        table.add(seq, [seq] * prompt_len)
+    seq_ids = list(range(num_seqs))
+    before = cache.num_free_blocks()
+
+    def step_loop():
+        append = table.append
+        for _ in range(steps):
+            for seq in seq_ids:
+                append(seq)
+
+    t_step = _best(step_loop, repeats)
+    new_blocks = before - cache.num_free_blocks()
+    table.check_invariants()
+    us_step = t_step / steps * 1e6
+    print(
+        f"decode step, 256 sequences x append(1): {us_step:8.1f} us/step  {us_step / num_seqs:6.3f} us/append  "
+        f"({new_blocks} blocks allocated over {steps * repeats} steps: "
+        f"{t_step * repeats / max(new_blocks, 1) * 1e6:6.2f} us of step time per new block)"
+    )
+    del gpu
+
+
+def run(args) -> None:
+    """Print the four host measurements; `args.quick` runs fewer repetitions."""
+    quick = getattr(args, "quick", False)
+    repeats = 3 if quick else 7
+    _pair(20_000 if quick else 200_000, repeats)
+    _batch(100 if quick else 1_000, repeats)
+    _match(20 if quick else 200, repeats)
+    _decode(16 if quick else 64, repeats)
