@@ -176,7 +176,9 @@ class PagedKvCache:
         return self._free.pop()
 
     def try_alloc_block(self) -> int | None:
-        """Like `alloc_block`, but None when no block is free or evictable."""
+        """Like `alloc_block`, but None when no block is free or evictable (or after `release`)."""
+        if self._released:
+            return None
         try:
             return self.alloc_block()
         except KvCacheExhausted:
