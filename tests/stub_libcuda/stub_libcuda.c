@@ -675,6 +675,7 @@ static void *lookup(const char *symbol) {
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
     (void)version; (void)flags;
+    enter("cuGetProcAddress");
     if (!symbol || !pfn) return INVALID_VALUE;
     *pfn = lookup(symbol);
     if (status) *status = *pfn ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / SYMBOL_NOT_FOUND */
@@ -685,8 +686,10 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
     return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
 }
 
+/* libnvrtc asks for private tables; it compiles without them. */
 CUresult cuGetExportTable(const void **table, const void *id) {
     (void)id;
+    ENTER("cuGetExportTable");
     if (table) *table = NULL;
     return NOT_SUPPORTED;
 }
