@@ -469,12 +469,12 @@ class CudaBackend:
     def fill_blocks(self, regions: BlockRegions, blocks: Sequence[int], value: int, stream: int) -> None:
         """Every byte of the listed blocks in every region set to `value`: one kernel launch."""
         byte = _byte_value(value)
+        handle = self._stream(stream)
         idx = _int32_indices(as_block_array(blocks), "blocks")
         if idx.size == 0 or len(regions) == 0:
             return
         table = self._table(regions, int(idx.max()))
         self._enter()
-        handle = self._stream(stream)
         with self._lock:
             slot = self._staging.acquire(idx.nbytes)
             self._upload(slot, [idx], handle)
@@ -486,6 +486,7 @@ class CudaBackend:
 
     def copy_blocks(self, regions: BlockRegions, src: Sequence[int], dst: Sequence[int], stream: int) -> None:
         """Block `src[i]` copied over `dst[i]` in every region: one kernel launch."""
+        handle = self._stream(stream)
         s = as_block_array(src, "src")
         d = as_block_array(dst, "dst")
         check_copy_pairs(s, d)
@@ -494,7 +495,6 @@ class CudaBackend:
         s, d = _int32_indices(s, "src"), _int32_indices(d, "dst")
         table = self._table(regions, max(int(s.max()), int(d.max())))
         self._enter()
-        handle = self._stream(stream)
         with self._lock:
             slot = self._staging.acquire(s.nbytes + d.nbytes)
             self._upload(slot, [s, d], handle)
@@ -508,6 +508,7 @@ class CudaBackend:
         """Float64 sum, sum of squares and sum of |x| of the BF16 values in the listed
         blocks of row `region`: a partial pass over a fixed grid and one fixed-order final
         pass, so the same data gives bit-identical results; waits for the result."""
+        handle = self._stream(stream)
         if isinstance(region, bool) or not isinstance(region, (int, np.integer)) or not 0 <= region < len(regions):
             raise IndexError(f"region {region} out of range for a table of {len(regions)} regions")
         region = int(region)
@@ -519,7 +520,6 @@ class CudaBackend:
             return Bf16Stats(0.0, 0.0, 0.0)
         self._table(regions, int(idx.max()))
         driver = self._enter()
-        handle = self._stream(stream)
         grid = self._grid(idx.size, REDUCE_CTAS_PER_SM)
         partials_at = -(-idx.nbytes // 16) * 16
         out_at = partials_at + 24 * grid

@@ -2,7 +2,11 @@
 
 The cache key is a hash of the source, the options, the architecture and the NVRTC
 version. Entries carry a checksum of their payload: a corrupt, unreadable or unwritable
-cache logs an event and falls back to compiling. Needs NVRTC only, never a GPU or libcuda.
+cache logs an event and falls back to compiling. Needs NVRTC only, never a GPU.
+
+Note: when a libcuda.so.1 is present, libnvrtc itself loads it and calls cuInit (and
+cuGetExportTable) while compiling, so compiling in a process initialises CUDA there just
+as a CudaBackend would; do not compile in a parent process that will fork workers.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class PinnedBuffer:
     def __exit__(self, *exc) -> None:
         self.free()
 
+    def __buffer__(self, flags: int) -> memoryview:
+        """The buffer protocol (Python 3.12+): the same bytes as `array`."""
+        return memoryview(self.array)
+
     def __len__(self) -> int:
         return self.nbytes
 
