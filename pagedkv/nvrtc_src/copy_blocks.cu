@@ -26,7 +26,7 @@ extern "C" __global__ void pagedkv_copy_blocks(
             uint4* out = (uint4*)to;
             const i64 nwords = r.nbytes >> 4;
 #pragma unroll 4
-            for (i64 w = threadIdx.x; w < nwords; w += blockDim.x) out[w] = in[w];
+            for (i64 w = threadIdx.x; w < nwords; w += blockDim.x) __stcs(out + w, __ldcs(in + w));
             head = nwords << 4;
         }
         for (i64 b = head + threadIdx.x; b < r.nbytes; b += blockDim.x) to[b] = from[b];

@@ -2,6 +2,8 @@
 // Work item i = (row, k) covers block blocks[k] of region row `row` (row-major, so
 // consecutive CTAs sweep one region's blocks). Each CTA takes items in a grid-stride loop;
 // its threads write 16-byte words where the block start is 16-byte aligned, bytes elsewhere.
+// Streaming stores (__stcs): filled blocks are not read back soon, so they should not
+// evict other data from L2.
 
 typedef unsigned char u8;
 typedef unsigned int u32;
@@ -28,7 +30,7 @@ extern "C" __global__ void pagedkv_fill_blocks(
         if (((u64)start & 15u) == 0) {
             uint4* words = (uint4*)start;
             const i64 nwords = r.nbytes >> 4;
-            for (i64 w = threadIdx.x; w < nwords; w += blockDim.x) words[w] = vec;
+            for (i64 w = threadIdx.x; w < nwords; w += blockDim.x) __stcs(words + w, vec);
             head = nwords << 4;
         }
         for (i64 b = head + threadIdx.x; b < r.nbytes; b += blockDim.x) start[b] = (u8)byte;

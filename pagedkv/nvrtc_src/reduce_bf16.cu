@@ -62,7 +62,7 @@ extern "C" __global__ void pagedkv_reduce_bf16_partial(
             const i64 nwords = nbytes >> 4;
 #pragma unroll 4
             for (i64 w = threadIdx.x; w < nwords; w += REDUCE_THREADS) {
-                const uint4 v = words[w];
+                const uint4 v = __ldcs(words + w);
                 add_word(s, v.x);
                 add_word(s, v.y);
                 add_word(s, v.z);
