@@ -191,6 +191,16 @@ def test_memory_copies_and_memset_round_trip(stub_env):
                     assert repr(bad) in str(err)
                 else:
                     raise AssertionError(bad)
+            memsets = calls("cuMemsetD8Async")
+            gpu.memset_async(a, 1, 0, 0)  # zero bytes: nothing to do, as on the host
+            gpu.copy_d2d(a, b, 0, 0)
+            assert calls("cuMemsetD8Async") == memsets
+            try:
+                gpu.memset_async(a, 1, -1, 0)
+            except ValueError as err:
+                assert "-1" in str(err)
+            else:
+                raise AssertionError("negative byte count")
             try:
                 gpu.memset_async(a, 256, 4, 0)
             except ValueError as err:

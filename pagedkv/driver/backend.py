@@ -102,6 +102,12 @@ def _positive_nbytes(nbytes: Any, what: str = "allocation size") -> int:
     return int(nbytes)
 
 
+def _byte_count(nbytes: Any) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"byte count must be a non-negative int, got {nbytes!r}")
+    return int(nbytes)
+
+
 def _byte_value(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 255:
         raise ValueError(f"fill value must be a byte 0..255, got {value!r}")
@@ -362,9 +368,11 @@ class CudaBackend:
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
         """`cuMemsetD8Async` of `nbytes` bytes at `ptr` to `value`."""
         value = _byte_value(value)
-        nbytes = _positive_nbytes(nbytes, "byte count")
-        driver = self._enter()
-        check(driver.cuMemsetD8Async(int(ptr), value, nbytes, self._stream(stream)), "cuMemsetD8Async")
+        nbytes = _byte_count(nbytes)
+        handle = self._stream(stream)
+        if nbytes:
+            driver = self._enter()
+            check(driver.cuMemsetD8Async(int(ptr), value, nbytes, handle), "cuMemsetD8Async")
 
     def copy_h2d(self, src: Any, dst: DevicePtr) -> None:
         """Synchronous `cuMemcpyHtoD` of every byte of `src` (pageable or pinned)."""
@@ -401,9 +409,11 @@ class CudaBackend:
 
     def copy_d2d(self, src: DevicePtr, dst: DevicePtr, nbytes: int, stream: int) -> None:
         """`cuMemcpyDtoDAsync` of `nbytes` on `stream`."""
-        nbytes = _positive_nbytes(nbytes, "byte count")
-        driver = self._enter()
-        check(driver.cuMemcpyDtoDAsync(int(dst), int(src), nbytes, self._stream(stream)), "cuMemcpyDtoDAsync")
+        nbytes = _byte_count(nbytes)
+        handle = self._stream(stream)
+        if nbytes:
+            driver = self._enter()
+            check(driver.cuMemcpyDtoDAsync(int(dst), int(src), nbytes, handle), "cuMemcpyDtoDAsync")
 
     # -- block kernels --------------------------------------------------------------
 
