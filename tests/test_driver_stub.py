@@ -565,3 +565,52 @@ def test_paged_cache_on_stub_matches_host_backend(stub_env):
                 cache.release(backend)
             assert gpu.live_allocations() == 0
     ''')
+
+
+def test_gpu_test_module_runs_over_the_stub(stub_env):
+    """The cuda-marked tests, run with the stub standing in for the GPU: proves their
+    Python (setup, mirroring, comparisons, teardown), not the kernels they exist for."""
+    run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(4 << 30))
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        import pytest
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-m", "cuda", %r])
+        assert code == 0, code
+    ''' % str(Path(__file__).parent / "test_cuda_gpu.py"))
+
+
+def test_gpu_benchmark_runs_over_the_stub(stub_env):
+    """tools/bench_gpu.py end to end at a reduced size over the stub: every line prints.
+    The figures are the stub's (host memcpy), so the floors are not judged here."""
+    out = run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
+        import argparse
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        sys.path.insert(0, %r)
+        import bench_gpu
+        bench_gpu.GIB, bench_gpu.FILL_BLOCKS, bench_gpu.COPY_PAIRS = 32 << 20, 4, 4
+        try:
+            bench_gpu.run(argparse.Namespace(quick=True))
+        except SystemExit as stop:
+            assert stop.code == 1
+        assert STUB.stub_live_allocations() == 0 and STUB.stub_live_host_allocations() == 0
+        assert STUB.stub_live_streams() == 0 and STUB.stub_live_events() == 0
+    ''' % str(REPO_ROOT / "tools"))
+    for line in (
+        "copy ceiling: one 0.03125 GiB cuMemcpyDtoD",
+        "per-block cuMemsetD8Async loop",
+        "batched fill kernel",
+        "kernel / loop",
+        "copy 4 block pairs",
+        "checksum of 0.03125 GiB BF16",
+        "per-layer probe, 128 reductions of 4 blocks",
+        "as a fraction of the copy ceiling:",
+        "host I/O, 8 blocks x 64 layers x K,V of 32 KiB:",
+        "write_block from pageable",
+        "write_block from pinned",
+        "read_block into pageable",
+        "read_block into pinned (copy_d2h)",
+    ):
+        assert line in out, line

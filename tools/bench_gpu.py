@@ -19,6 +19,7 @@ import numpy as np
 GIB = 1 << 30
 FILL_BLOCKS = 256
 COPY_PAIRS = 256
+HOST_IO_BLOCKS = 16
 FILL_RATIO_FLOOR = 50.0
 CEILING_FRACTION_FLOOR = 0.70
 
@@ -116,7 +117,7 @@ def _bench(gpu, cache, config, stream, timer, floors, reps, loop_reps) -> None:
     finally:
         gpu.free(big_dst)
     ceiling = _gbps(GIB, ceiling_ms)
-    print(f"copy ceiling: one 1 GiB cuMemcpyDtoD      {ceiling_ms:9.3f} ms  {ceiling:8.1f} GB/s")
+    print(f"copy ceiling: one {GIB / 2**30:g} GiB cuMemcpyDtoD      {ceiling_ms:9.3f} ms  {ceiling:8.1f} GB/s")
 
     # fill: the seed's loop vs the batched kernel
     def memset_loop() -> None:
@@ -129,7 +130,7 @@ def _bench(gpu, cache, config, stream, timer, floors, reps, loop_reps) -> None:
     loop_ms = timer.time(memset_loop, loop_reps)
     fill_ms = timer.time(lambda: cache.fill_blocks(blocks, 0, gpu, stream), reps)
     ratio = loop_ms / fill_ms
-    print(f"fill {FILL_BLOCKS} blocks x {config.num_layers} layers x K,V ({fill_bytes / GIB:.2f} GiB):")
+    print(f"fill {FILL_BLOCKS} blocks x {config.num_layers} layers x K,V ({fill_bytes / 2**30:.3g} GiB):")
     print(f"  per-block cuMemsetD8Async loop          {loop_ms:9.3f} ms  {FILL_BLOCKS / loop_ms * 1e3:10.0f} blocks/s  {_gbps(fill_bytes, loop_ms):8.1f} GB/s")
     print(f"  batched fill kernel                     {fill_ms:9.3f} ms  {FILL_BLOCKS / fill_ms * 1e3:10.0f} blocks/s  {_gbps(fill_bytes, fill_ms):8.1f} GB/s")
     print(f"  kernel / loop                           {ratio:9.1f}x {floors.check('fill ratio', ratio, FILL_RATIO_FLOOR, 'x')}")
@@ -138,7 +139,7 @@ def _bench(gpu, cache, config, stream, timer, floors, reps, loop_reps) -> None:
     pairs = [(b, FILL_BLOCKS + b) for b in range(COPY_PAIRS)]
     copy_ms = timer.time(lambda: cache.copy_blocks(pairs, gpu, stream), reps)
     copy_bytes = per_block * COPY_PAIRS
-    print(f"copy {COPY_PAIRS} block pairs ({copy_bytes / GIB:.2f} GiB)          {copy_ms:9.3f} ms  {_gbps(copy_bytes, copy_ms):8.1f} GB/s")
+    print(f"copy {COPY_PAIRS} block pairs ({copy_bytes / 2**30:.3g} GiB)          {copy_ms:9.3f} ms  {_gbps(copy_bytes, copy_ms):8.1f} GB/s")
 
     # checksum of 1 GiB of BF16 KV: one region of 32 KiB blocks, one reduction
     try:
@@ -152,7 +153,7 @@ def _bench(gpu, cache, config, stream, timer, floors, reps, loop_reps) -> None:
         gpu.destroy_block_regions(regions)
     finally:
         gpu.free(big_src)
-    print(f"checksum of 1 GiB BF16 (sum, ssq, sabs)  {sum_ms:9.3f} ms  {_gbps(GIB, sum_ms):8.1f} GB/s")
+    print(f"checksum of {GIB / 2**30:g} GiB BF16 (sum, ssq, sabs)  {sum_ms:9.3f} ms  {_gbps(GIB, sum_ms):8.1f} GB/s")
 
     probe_ms = timer.time(
         lambda: [
@@ -173,8 +174,8 @@ def _bench(gpu, cache, config, stream, timer, floors, reps, loop_reps) -> None:
 
 
 def _bench_host_io(gpu, cache, config, side, reps) -> None:
-    """read_block/write_block over 16 blocks of every layer, pageable vs pinned host memory."""
-    blocks = range(16)
+    """read_block/write_block over HOST_IO_BLOCKS blocks of every layer, pageable vs pinned host memory."""
+    blocks = range(min(HOST_IO_BLOCKS, FILL_BLOCKS + COPY_PAIRS))
     nbytes = 2 * side * config.num_layers * len(blocks)
     pageable_k = np.full(side, 7, np.uint8)
     pageable_v = np.full(side, 9, np.uint8)
