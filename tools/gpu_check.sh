@@ -27,7 +27,7 @@ fi
 
 status=0
 echo "== pytest -m cuda =="
-timeout 180 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rs tests || status=$?
+timeout 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rs tests || status=$?
 echo "== tools/bench.py --gpu =="
-timeout 150 "$PYTHON" tools/bench.py --gpu || status=$?
+timeout 120 "$PYTHON" tools/bench.py --gpu || status=$?
 exit "$status"
