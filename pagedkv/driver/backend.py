@@ -127,7 +127,8 @@ class CudaBackend:
     kernels (compiled by NVRTC or taken from the kernel cache); `close()` (or leaving a
     `with` block) frees what the backend still holds and releases the context. Any
     thread may call in: the context is made current on each thread's first call.
-    Streams are int handles (0 is the legacy default stream).
+    Streams are int handles (0 is the legacy default stream). `device_name`,
+    `compute_capability` (major, minor) and `sm_count` describe the device.
     """
 
     def __init__(self, device: int = 0, kernel_cache_dir: str | None = None):
@@ -165,7 +166,10 @@ class CudaBackend:
             self._load_kernels(drv, kernel_cache_dir)
         except BaseException:
             self._closed = False
-            self.close()
+            try:
+                self.close()
+            except Exception as err:  # noqa: BLE001 - the construction error is the one to raise
+                _log.error("cuda_backend_cleanup_failed", error=str(err))
             raise
         _log.info(
             "cuda_backend_ready",
