@@ -1,2 +1,72 @@
-"""The CUDA backend (cuda.bindings + NVRTC). Empty until the CudaBackend lands; importing
-this package must never call the driver."""
+"""The CUDA backend: the CUDA driver API through cuda-python's `cuda.bindings`, with the
+block kernels compiled at run time by NVRTC.
+
+Importing this package calls nothing in the driver, loads no libcuda and compiles
+nothing (CUDA initialised in a parent process breaks forked children): `CudaBackend`,
+`CudaError`, `CudaUnavailable`, `CudaOutOfMemory` and `PinnedBuffer` are imported on first
+use, and the first `CudaBackend()` initialises the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from typing import Any
+
+__all__ = ["CudaBackend", "CudaError", "CudaOutOfMemory", "CudaUnavailable", "PinnedBuffer", "is_available"]
+
+_LAZY = {
+    "CudaBackend": "backend",
+    "CudaError": "errors",
+    "CudaOutOfMemory": "errors",
+    "CudaUnavailable": "errors",
+    "check": "errors",
+    "PinnedBuffer": "pinned",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def _has_gpu_device_node() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/dxg")
+
+
+def _driver_library_loadable() -> bool:
+    import ctypes
+
+    try:
+        handle = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+    except OSError:
+        return False
+    del handle  # loading libcuda runs no cuInit: fork safety is kept
+    return True
+
+
+def _bindings_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def is_available() -> bool:
+    """True when a CudaBackend can probably be made here: cuda-bindings is installed, a GPU
+    device node exists and libcuda.so.1 loads. Cheap, cached, never raises, and never
+    initialises CUDA in this process (CudaBackend() is the definitive test)."""
+    try:
+        return _has_gpu_device_node() and _bindings_importable() and _driver_library_loadable()
+    except Exception:  # noqa: BLE001 - this probe must never raise
+        return False

@@ -1,0 +1,104 @@
+"""Kernel arguments packed with ctypes: one argument structure and one pointer array per
+kernel, built once; a launch writes the fields and passes the array's address.
+
+The field list of each `*Args` structure mirrors the kernel's parameter list in
+`pagedkv/nvrtc_src` in order and C type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from .errors import check
+
+
+class FillArgs(ctypes.Structure):
+    """Parameters of `pagedkv_fill_blocks` (fill_blocks.cu)."""
+
+    _fields_ = [
+        ("table", ctypes.c_uint64),
+        ("num_rows", ctypes.c_int32),
+        ("blocks", ctypes.c_uint64),
+        ("num_blocks", ctypes.c_int32),
+        ("value", ctypes.c_uint32),
+    ]
+
+
+class CopyArgs(ctypes.Structure):
+    """Parameters of `pagedkv_copy_blocks` (copy_blocks.cu)."""
+
+    _fields_ = [
+        ("table", ctypes.c_uint64),
+        ("num_rows", ctypes.c_int32),
+        ("src", ctypes.c_uint64),
+        ("dst", ctypes.c_uint64),
+        ("num_pairs", ctypes.c_int32),
+    ]
+
+
+class ReducePartialArgs(ctypes.Structure):
+    """Parameters of `pagedkv_reduce_bf16_partial` (reduce_bf16.cu)."""
+
+    _fields_ = [
+        ("base", ctypes.c_int64),
+        ("stride", ctypes.c_int64),
+        ("nbytes", ctypes.c_int64),
+        ("blocks", ctypes.c_uint64),
+        ("num_blocks", ctypes.c_int32),
+        ("partials", ctypes.c_uint64),
+    ]
+
+
+class ReduceFinalArgs(ctypes.Structure):
+    """Parameters of `pagedkv_reduce_bf16_final` (reduce_bf16.cu)."""
+
+    _fields_ = [
+        ("partials", ctypes.c_uint64),
+        ("num_partials", ctypes.c_int32),
+        ("out", ctypes.c_uint64),
+    ]
+
+
+class KernelLauncher:
+    """One kernel function with its reusable argument structure and pointer array.
+
+    `launch(grid, block, stream, **fields)` sets the named fields and calls cuLaunchKernel;
+    the driver copies the values at launch, so the structure is reused at once. A lock
+    makes concurrent launches of the same kernel from several threads safe.
+    """
+
+    def __init__(self, name: str, function: Any, args_type: type[ctypes.Structure]):
+        self.name = name
+        self.function = function
+        self.args = args_type()
+        base = ctypes.addressof(self.args)
+        fields = [f[0] for f in args_type._fields_]
+        self._fields = frozenset(fields)
+        self.pointers = (ctypes.c_void_p * len(fields))(
+            *(base + getattr(args_type, f).offset for f in fields)
+        )
+        self._pointers_address = ctypes.addressof(self.pointers)
+        self._lock = threading.Lock()
+
+    def launch(self, grid: int, block: int, stream: int, shared_bytes: int = 0, **fields: int) -> None:
+        """Launch on `grid` x `block` threads on `stream` with these parameter values
+        (every field must be given; an unknown or missing one raises TypeError)."""
+        if fields.keys() != self._fields:
+            missing, extra = self._fields - fields.keys(), fields.keys() - self._fields
+            raise TypeError(f"{self.name} arguments: missing {sorted(missing)}, unknown {sorted(extra)}")
+        from cuda.bindings import driver
+
+        with self._lock:
+            for name, value in fields.items():
+                setattr(self.args, name, value)
+                if getattr(self.args, name) != value:
+                    raise OverflowError(f"{self.name} argument {name}={value} does not fit its C type")
+            check(
+                driver.cuLaunchKernel(
+                    self.function, grid, 1, 1, block, 1, 1, shared_bytes, stream, self._pointers_address, 0
+                ),
+                "cuLaunchKernel",
+                f"({self.name}, grid {grid}, block {block})",
+            )

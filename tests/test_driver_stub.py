@@ -1,0 +1,616 @@
+"""CudaBackend against a host-memory libcuda.so.1 (tests/stub_libcuda/stub_libcuda.c).
+
+What this proves: the Python side of the driver layer. Every CudaBackend call goes
+through cuda-bindings into a real shared library that checks handles, contexts and
+address ranges, records each kernel launch's parameters byte for byte (asserted here
+field by field), emulates the four kernels on the host, and returns any status we
+inject, so each error path and its CudaError can be checked. What it does NOT prove: the
+GPU. The kernels' device code, real asynchrony and bandwidth are covered only by the
+`cuda`-marked tests (test_cuda_gpu.py) on a machine with an NVIDIA GPU.
+
+The stub is built with the machine's C compiler into a temporary directory and loaded
+in a subprocess (LD_LIBRARY_PATH) before any driver call, so this pytest process never
+loads a libcuda.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+STUB_SOURCE = Path(__file__).parent / "stub_libcuda" / "stub_libcuda.c"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+PRELUDE = '''
+import ctypes, struct, sys, threading
+import numpy as np
+STUB = ctypes.CDLL("libcuda.so.1")  # the same handle cuda-bindings will resolve
+STUB.stub_call_count.restype = ctypes.c_long
+STUB.stub_launch_count.restype = ctypes.c_long
+STUB.stub_set_total_mem.argtypes = [ctypes.c_size_t]
+
+class LaunchRecord(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char * 48), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_uint64), ("nparams", ctypes.c_int),
+                ("sizes", ctypes.c_int * 8), ("params", (ctypes.c_uint8 * 8) * 8)]
+
+def calls(name):
+    return STUB.stub_call_count(name.encode())
+
+def launch(i):
+    """Launch record i (negative counts from the last) as (record, [param bytes...])."""
+    if i < 0:
+        i += STUB.stub_launch_count()
+    rec = LaunchRecord()
+    assert STUB.stub_launch_get(ctypes.c_long(i), ctypes.byref(rec)) == 0, i
+    return rec, [bytes(rec.params[k])[: rec.sizes[k]] for k in range(rec.nparams)]
+
+def u64(b): return struct.unpack("<Q", b)[0]
+def i64(b): return struct.unpack("<q", b)[0]
+def i32(b): return struct.unpack("<i", b)[0]
+def u32(b): return struct.unpack("<I", b)[0]
+
+def int32_at(address, n):
+    """n int32 values at a stub 'device' address (stub device memory is host memory)."""
+    return np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(address)).tolist()
+
+def int64_at(address, n):
+    return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(address)).tolist()
+'''
+
+
+@pytest.fixture(scope="session")
+def stub_env(tmp_path_factory):
+    """Environment for a subprocess that loads the stub libcuda (built once per session)."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on this machine to build the libcuda stub")
+    out = tmp_path_factory.mktemp("stub_libcuda")
+    lib = out / "libcuda.so.1"
+    build = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wl,-soname,libcuda.so.1",
+         "-o", str(lib), str(STUB_SOURCE), "-lpthread"],
+        capture_output=True, text=True,
+    )
+    if build.returncode != 0:
+        pytest.fail(f"building the libcuda stub with {cc} failed:\n{build.stderr}")
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(out), env.get("LD_LIBRARY_PATH")]))
+    env["PAGEDKV_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel_cache"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # fill the kernel cache once, so each test's driver calls are its own (NVRTC itself
+    # loads libcuda and calls cuInit when it compiles)
+    subprocess.run(
+        [sys.executable, "-c", "from pagedkv.driver import nvrtc\n"
+         "for p in nvrtc.kernel_sources(): nvrtc.compile_cached(p, 'sm_90')"],
+        env=env, check=True, capture_output=True, timeout=120,
+    )
+    return env
+
+
+def run_on_stub(env: dict, body: str) -> str:
+    """Run PRELUDE + `body` in a fresh interpreter over the stub; fail with its output."""
+    script = PRELUDE + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(f"stub subprocess failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def test_importing_pagedkv_touches_no_driver(stub_env):
+    run_on_stub(stub_env, '''
+        import os
+        import pagedkv, pagedkv.driver
+        assert "cuda.bindings.driver" not in sys.modules
+        pagedkv.driver.is_available()  # whatever it answers, it must not initialise CUDA
+        assert "cuda.bindings.driver" not in sys.modules
+        assert calls("cuInit") == 0 and calls("cuDriverGetVersion") == 0
+        from pagedkv.driver import CudaBackend, CudaError  # resolving the names still calls nothing
+        assert calls("cuInit") == 0
+    ''')
+
+
+def test_nvrtc_compiles_with_the_stub_loaded(stub_env, tmp_path):
+    """libnvrtc dlopens libcuda.so.1 and calls cuInit and cuGetExportTable while compiling;
+    the stub answers enough for the compile to succeed."""
+    run_on_stub(stub_env, f'''
+        from pagedkv.driver import nvrtc
+        kernel = nvrtc.compile_cached(nvrtc.SOURCE_DIR / "fill_blocks.cu", "sm_90", cache_dir=__import__("pathlib").Path({str(tmp_path)!r}))
+        assert not kernel.from_cache and kernel.cubin[:4] == b"\\x7fELF"
+        assert calls("cuInit") >= 1 and calls("cuGetExportTable") >= 1
+    ''')
+
+
+def test_lifecycle_context_modules_and_close(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend, CudaError
+        STUB.stub_set_device(132, 9, 0)
+        with CudaBackend() as gpu:
+            assert calls("cuInit") == 1
+            assert STUB.stub_primary_refs() == 1
+            assert STUB.stub_live_modules() == 3
+            assert calls("cuModuleGetFunction") == 4
+            assert gpu.device_name == "pagedkv stub device 0"
+            assert gpu.compute_capability == (9, 0) and gpu.sm_count == 132
+            from pagedkv.backend import GpuBackend
+            assert isinstance(gpu, GpuBackend)
+            leaked = gpu.alloc(4096)
+            pinned = gpu.alloc_pinned(4096)
+            stream = gpu.create_stream()
+        assert gpu.closed
+        assert STUB.stub_primary_refs() == 0
+        assert STUB.stub_live_modules() == 0
+        assert STUB.stub_live_allocations() == 0, "close frees leftover allocations and staging"
+        assert STUB.stub_live_host_allocations() == 0 and pinned.freed
+        assert STUB.stub_live_streams() == 0 and STUB.stub_live_events() == 0
+        gpu.close()  # a second close does nothing
+        assert calls("cuDevicePrimaryCtxRelease") == 1
+        try:
+            gpu.alloc(16)
+        except CudaError as err:
+            assert "closed" in str(err), err
+        else:
+            raise AssertionError("alloc after close must raise")
+    ''')
+
+
+def test_memory_copies_and_memset_round_trip(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend
+        from pagedkv.errors import DeviceMemoryError
+        rng = np.random.default_rng(7)
+        with CudaBackend() as gpu:
+            free0, total = gpu.mem_info()
+            a, b = gpu.alloc(1000), gpu.alloc(1000)
+            assert gpu.mem_info() == (free0 - 2000, total)
+            data = rng.integers(0, 256, 1000, dtype=np.uint8)
+            gpu.copy_h2d(data, a)
+            gpu.copy_h2d(bytes(range(10)), b)  # any buffer-protocol object
+            gpu.memset_async(b.offset(10), 0x5A, 990, 0)
+            gpu.copy_d2d(a.offset(100), b.offset(500), 200, 0)
+            gpu.synchronize(0)
+            out = np.empty(1000, np.uint8)
+            gpu.copy_d2h(b, out)
+            expect = np.full(1000, 0x5A, np.uint8)
+            expect[:10] = np.arange(10)
+            expect[500:700] = data[100:300]
+            assert np.array_equal(out, expect)
+            back = bytearray(1000)
+            gpu.copy_d2h(a, back)
+            assert bytes(back) == data.tobytes()
+            for bad in (0, -1, True, 1.5):
+                try:
+                    gpu.alloc(bad)
+                except ValueError as err:
+                    assert repr(bad) in str(err)
+                else:
+                    raise AssertionError(bad)
+            memsets = calls("cuMemsetD8Async")
+            gpu.memset_async(a, 1, 0, 0)  # zero bytes: nothing to do, as on the host
+            gpu.copy_d2d(a, b, 0, 0)
+            assert calls("cuMemsetD8Async") == memsets
+            try:
+                gpu.memset_async(a, 1, -1, 0)
+            except ValueError as err:
+                assert "-1" in str(err)
+            else:
+                raise AssertionError("negative byte count")
+            try:
+                gpu.memset_async(a, 256, 4, 0)
+            except ValueError as err:
+                assert "256" in str(err)
+            else:
+                raise AssertionError("memset value 256")
+            try:
+                gpu.copy_d2h(a, bytes(4))
+            except ValueError as err:
+                assert "read-only" in str(err)
+            else:
+                raise AssertionError("read-only destination")
+            gpu.free(a)
+            for again in (a, a.offset(8)):
+                try:
+                    gpu.free(again)
+                except DeviceMemoryError as err:
+                    assert hex(int(again))[2:] in str(err)
+                else:
+                    raise AssertionError("free of a freed or interior pointer must raise")
+            assert calls("cuMemFree") == 1
+            gpu.free(b)
+            assert gpu.live_allocations() == 0
+    ''')
+
+
+def test_streams_and_pinned_async_copies(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend, PinnedBuffer
+        with CudaBackend() as gpu:
+            assert gpu.default_stream() == 0
+            s1, s2 = gpu.create_stream(), gpu.create_stream()
+            assert s1 != s2 and 0 not in (s1, s2)
+            assert STUB.stub_live_streams() == 2
+            dev = gpu.alloc(256)
+            with gpu.alloc_pinned(256) as pin:
+                assert isinstance(pin, PinnedBuffer) and len(pin) == 256
+                pin.array[:] = np.arange(256, dtype=np.uint8)
+                gpu.copy_h2d_async(pin, dev, s1)
+                gpu.synchronize(s1)
+                pin.array[:] = 0
+                gpu.copy_d2h_async(dev, pin.array[16:32], s2)  # a view of pinned memory is pinned
+                gpu.synchronize(s2)
+                assert pin.array[16:32].tolist() == list(range(16)) and pin.array[0] == 0
+                try:
+                    gpu.copy_h2d_async(np.zeros(16, np.uint8), dev, s1)
+                except ValueError as err:
+                    assert "PinnedBuffer" in str(err)
+                else:
+                    raise AssertionError("pageable memory accepted by an async copy")
+            assert STUB.stub_live_host_allocations() == 0, "freed at the end of the with block"
+            gpu.destroy_stream(s1)
+            for bad in (s1, 0, 12345):
+                try:
+                    gpu.destroy_stream(bad)
+                except ValueError as err:
+                    assert str(bad) in str(err)
+                else:
+                    raise AssertionError(bad)
+            try:
+                gpu.synchronize(s1)
+            except ValueError as err:
+                assert "unknown stream" in str(err)
+            else:
+                raise AssertionError("synchronize on a destroyed stream")
+            gpu.destroy_stream(s2)
+            gpu.free(dev)
+            assert STUB.stub_live_streams() == 0
+    ''')
+
+
+def test_fill_launch_packs_every_field(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend
+        from pagedkv import HostBackend
+        STUB.stub_set_device(2, 9, 0)
+        host = HostBackend(1 << 20)
+        with CudaBackend() as gpu:
+            rows, blocks = [], [5, 0, 7]
+            host_rows = []
+            for nbytes, stride in ((4096, 4096), (100, 112), (64, 80)):
+                p, h = gpu.alloc(8 * stride), host.alloc(8 * stride)
+                seed = np.random.default_rng(stride).integers(0, 256, 8 * stride, dtype=np.uint8)
+                gpu.copy_h2d(seed, p)
+                host.copy_h2d(seed, h)
+                rows.append((int(p), stride, nbytes))
+                host_rows.append((int(h), stride, nbytes))
+            regions = gpu.create_block_regions(rows)
+            assert int64_at(int(regions.device_table), 9) == [v for row in rows for v in row]
+            uploads = calls("cuMemcpyHtoD")
+            stream = gpu.create_stream()
+            before = STUB.stub_launch_count()
+            gpu.fill_blocks(regions, blocks, 0xAB, stream)
+            assert STUB.stub_launch_count() == before + 1, "one launch for every block of every region"
+            rec, p = launch(-1)
+            assert rec.name == b"pagedkv_fill_blocks"
+            assert list(rec.grid) == [min(3 * 3, 2 * 16), 1, 1]
+            assert list(rec.block) == [256, 1, 1] and rec.shared == 0
+            assert rec.stream == stream
+            assert u64(p[0]) == int(regions.device_table)
+            assert i32(p[1]) == 3
+            assert int32_at(u64(p[2]), 3) == blocks
+            assert i32(p[3]) == 3
+            assert u32(p[4]) == 0xAB
+            gpu.fill_blocks(regions, [1, 2, 3, 4, 6], 0, 0)
+            rec, p = launch(-1)
+            assert list(rec.grid) == [min(3 * 5, 2 * 16), 1, 1] and rec.stream == 0
+            assert int32_at(u64(p[2]), 5) == [1, 2, 3, 4, 6] and i32(p[3]) == 5 and u32(p[4]) == 0
+            assert calls("cuMemcpyHtoD") == uploads, "the region table is uploaded once, not per launch"
+            hregions = host.create_block_regions(host_rows)
+            host.fill_blocks(hregions, blocks, 0xAB, 0)
+            host.fill_blocks(hregions, [1, 2, 3, 4, 6], 0, 0)
+            gpu.synchronize(stream)
+            for (gp, stride, _), (hp, _, _) in zip(rows, host_rows):
+                out = np.empty(8 * stride, np.uint8)
+                gpu.copy_d2h(gp, out)
+                assert np.array_equal(out, host.view(hp, 8 * stride))
+            try:
+                gpu.fill_blocks(regions, [8], 1, 0)
+            except IndexError as err:
+                assert "block 8" in str(err)
+            else:
+                raise AssertionError("a block past the pool must be refused")
+            assert STUB.stub_launch_count() == before + 2
+            gpu.destroy_block_regions(regions)
+            assert regions.device_table is None
+            gpu.destroy_stream(stream)
+    ''')
+
+
+def test_copy_launch_packs_every_field(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend
+        from pagedkv import HostBackend
+        host = HostBackend(1 << 20)
+        with CudaBackend() as gpu:
+            seed = np.random.default_rng(3).integers(0, 256, 16 * 528, dtype=np.uint8)
+            g, h = gpu.alloc(seed.size), host.alloc(seed.size)
+            gpu.copy_h2d(seed, g)
+            host.copy_h2d(seed, h)
+            rows = [(int(g), 528, 520), (int(g) + 8 * 528, 528, 528)]
+            hrows = [(int(h), 528, 520), (int(h) + 8 * 528, 528, 528)]
+            regions, hregions = gpu.create_block_regions(rows), host.create_block_regions(hrows)
+            src, dst = [0, 3, 5], [7, 1, 2]
+            gpu.copy_blocks(regions, src, dst, 0)
+            host.copy_blocks(hregions, src, dst, 0)
+            rec, p = launch(-1)
+            assert rec.name == b"pagedkv_copy_blocks"
+            assert list(rec.grid) == [6, 1, 1] and list(rec.block) == [256, 1, 1] and rec.stream == 0
+            assert u64(p[0]) == int(regions.device_table) and i32(p[1]) == 2
+            assert int32_at(u64(p[2]), 3) == src and int32_at(u64(p[3]), 3) == dst
+            assert i32(p[4]) == 3
+            out = np.empty(seed.size, np.uint8)
+            gpu.copy_d2h(g, out)
+            assert np.array_equal(out, host.view(h, seed.size))
+            count = STUB.stub_launch_count()
+            for bad_src, bad_dst, words in (([1, 2], [3, 3], "repeat"), ([1, 2], [2, 4], "both"), ([1], [2, 4], "as many")):
+                try:
+                    gpu.copy_blocks(regions, bad_src, bad_dst, 0)
+                except ValueError as err:
+                    assert words in str(err), err
+                else:
+                    raise AssertionError((bad_src, bad_dst))
+            assert STUB.stub_launch_count() == count, "refused pairs launch nothing"
+    ''')
+
+
+def test_reduce_launches_partial_then_final_and_matches_host(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend
+        from pagedkv import HostBackend
+        import ml_dtypes
+        STUB.stub_set_device(3, 9, 0)
+        host = HostBackend(1 << 22)
+        rng = np.random.default_rng(11)
+        with CudaBackend() as gpu:
+            values = rng.normal(size=64 * 1024).astype(ml_dtypes.bfloat16)
+            raw = values.view(np.uint8)
+            g, h = gpu.alloc(raw.size), host.alloc(raw.size)
+            gpu.copy_h2d(raw, g)
+            host.copy_h2d(raw, h)
+            regions = gpu.create_block_regions([(int(g), 4096, 4096)])
+            hregions = host.create_block_regions([(int(h), 4096, 4096)])
+            blocks = [3, 1, 30, 7, 9, 12, 0, 31, 22, 5, 17, 8, 2, 4, 6, 10, 11, 13, 14, 15, 16, 18, 19, 20, 21, 23, 24, 25, 26, 27]
+            before = STUB.stub_launch_count()
+            got = gpu.reduce_bf16_blocks(regions, 0, blocks, 0)
+            assert STUB.stub_launch_count() == before + 2
+            part, pp = launch(-2)
+            final, fp = launch(-1)
+            assert part.name == b"pagedkv_reduce_bf16_partial" and final.name == b"pagedkv_reduce_bf16_final"
+            grid = min(len(blocks), 3 * 8)
+            assert list(part.grid) == [grid, 1, 1] and list(part.block) == [256, 1, 1]
+            assert i64(pp[0]) == int(g) and i64(pp[1]) == 4096 and i64(pp[2]) == 4096
+            assert int32_at(u64(pp[3]), len(blocks)) == blocks and i32(pp[4]) == len(blocks)
+            assert list(final.grid) == [1, 1, 1] and list(final.block) == [256, 1, 1]
+            assert u64(fp[0]) == u64(pp[5]) and i32(fp[1]) == grid
+            assert u64(fp[2]) >= u64(pp[5]) + 24 * grid, "the result does not overlap the partials"
+            want = host.reduce_bf16_blocks(hregions, 0, blocks, 0)
+            assert np.allclose(got, want, rtol=1e-12, atol=0), (got, want)
+            assert gpu.reduce_bf16_blocks(regions, 0, [], 0) == (0.0, 0.0, 0.0)
+            assert STUB.stub_launch_count() == before + 2
+            for bad in (1, -1):
+                try:
+                    gpu.reduce_bf16_blocks(regions, bad, [0], 0)
+                except IndexError as err:
+                    assert f"region {bad}" in str(err)
+                else:
+                    raise AssertionError(bad)
+            odd = gpu.create_block_regions([(int(g), 4096, 4095)])
+            try:
+                gpu.reduce_bf16_blocks(odd, 0, [0], 0)
+            except ValueError as err:
+                assert "odd block size 4095" in str(err)
+            else:
+                raise AssertionError("odd BF16 block")
+    ''')
+
+
+def test_error_statuses_map_to_cuda_errors(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend, CudaError, CudaOutOfMemory
+        from pagedkv.errors import DeviceOutOfMemory
+        statuses = {
+            1: ("CUDA_ERROR_INVALID_VALUE", "invalid argument"),
+            2: ("CUDA_ERROR_OUT_OF_MEMORY", "out of memory"),
+            3: ("CUDA_ERROR_NOT_INITIALIZED", "initialization error"),
+            101: ("CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"),
+            200: ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"),
+            201: ("CUDA_ERROR_INVALID_CONTEXT", "invalid device context"),
+            400: ("CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"),
+            500: ("CUDA_ERROR_NOT_FOUND", "named symbol not found"),
+            700: ("CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"),
+            719: ("CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"),
+            801: ("CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
+            999: ("CUDA_ERROR_UNKNOWN", "no message from the driver"),  # unknown to the stub's cuGetErrorString
+        }
+        with CudaBackend() as gpu:
+            ptr = gpu.alloc(64)
+            for status, (name, message) in statuses.items():
+                STUB.stub_fail_next(b"cuMemsetD8Async", status)
+                try:
+                    gpu.memset_async(ptr, 1, 64, 0)
+                except CudaError as err:
+                    assert err.call == "cuMemsetD8Async" and err.status == status, err
+                    assert err.status_name == name and err.driver_message == message, err
+                    assert str(err) == f"cuMemsetD8Async failed: {name} ({message})", str(err)
+                    assert isinstance(err, CudaOutOfMemory) == (status == 2)
+                else:
+                    raise AssertionError(status)
+            STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
+            try:
+                gpu.alloc(80 << 30)
+            except CudaOutOfMemory as err:
+                assert isinstance(err, DeviceOutOfMemory) and isinstance(err, MemoryError)
+                assert str(err) == "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory) asking 80.0 GiB", str(err)
+            else:
+                raise AssertionError("80 GiB on a 1 GiB stub")
+            again = gpu.alloc(64)  # still usable after the OOM
+            gpu.free(again)
+            regions = gpu.create_block_regions([(int(ptr), 64, 64)])
+            STUB.stub_fail_next(b"cuLaunchKernel", 700)
+            try:
+                gpu.fill_blocks(regions, [0], 0, 0)
+            except CudaError as err:
+                assert str(err) == ("cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access "
+                                    "was encountered) (pagedkv_fill_blocks, grid 1, block 256)"), str(err)
+            else:
+                raise AssertionError("launch failure")
+            gpu.fill_blocks(regions, [0], 3, 0)  # the staging slot is usable after the failed launch
+            out = np.empty(64, np.uint8)
+            gpu.copy_d2h(ptr, out)
+            assert (out == 3).all()
+    ''')
+
+
+def test_unavailable_and_failed_construction_release_everything(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend, CudaError, CudaUnavailable
+        STUB.stub_set_init_status(100)
+        try:
+            CudaBackend()
+        except CudaUnavailable as err:
+            assert str(err) == "The NVIDIA driver is installed but reports no GPU (CUDA_ERROR_NO_DEVICE).", str(err)
+        else:
+            raise AssertionError("no device")
+        STUB.stub_set_init_status(3)
+        try:
+            CudaBackend()
+        except CudaUnavailable as err:
+            assert "cuInit returned CUDA_ERROR_NOT_INITIALIZED (initialization error)" in str(err), str(err)
+        else:
+            raise AssertionError("failed init")
+        STUB.stub_set_init_status(0)
+        try:
+            CudaBackend(device=3)
+        except CudaUnavailable as err:
+            assert str(err) == "CUDA device 3 does not exist: this machine has 1 GPU(s).", str(err)
+        else:
+            raise AssertionError("device 3")
+        STUB.stub_fail_next(b"cuModuleGetFunction", 500)  # the first module loads, its function lookup fails
+        try:
+            CudaBackend()
+        except CudaError as err:
+            assert err.call == "cuModuleGetFunction" and "pagedkv_fill_blocks" in str(err), str(err)
+        else:
+            raise AssertionError("function lookup failure")
+        assert STUB.stub_primary_refs() == 0 and STUB.stub_live_modules() == 0
+        assert STUB.stub_live_allocations() == 0
+        with CudaBackend() as gpu:  # a clean construction afterwards works
+            gpu.free(gpu.alloc(8))
+    ''')
+
+
+def test_context_made_current_on_each_calling_thread(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend
+        with CudaBackend() as gpu:
+            before = calls("cuCtxSetCurrent")
+            gpu.free(gpu.alloc(8))
+            assert calls("cuCtxSetCurrent") == before, "the constructing thread is already current"
+            results = []
+            def worker():
+                ptr = gpu.alloc(16)  # the stub refuses this without a current context
+                gpu.free(ptr)
+                results.append(int(ptr))
+            t = threading.Thread(target=worker)
+            t.start(); t.join()
+            assert len(results) == 1
+            assert calls("cuCtxSetCurrent") == before + 1
+    ''')
+
+
+def test_paged_cache_on_stub_matches_host_backend(stub_env):
+    run_on_stub(stub_env, '''
+        from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
+        from pagedkv.driver import CudaBackend
+        rng = np.random.default_rng(5)
+        config = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=16, num_layers=3, dtype="bf16k_turbo3v")
+        host = HostBackend(1 << 24)
+        with CudaBackend() as gpu:
+            caches = [PagedKvCache(config, 12, gpu), PagedKvCache(config, 12, host)]
+            for layer in range(3):
+                for block in range(12):
+                    k = rng.integers(0, 256, config.k_block_bytes_for_layer(layer), dtype=np.uint8)
+                    v = rng.integers(0, 256, config.v_block_bytes_for_layer(layer), dtype=np.uint8)
+                    for cache, backend in zip(caches, (gpu, host)):
+                        cache.write_block(layer, block, k, v, backend)
+            for cache, backend in zip(caches, (gpu, host)):
+                cache.zero_blocks([1, 4], backend, 0)
+                cache.poison_block(7, backend, 0)
+                cache.copy_blocks([(2, 9), (5, 10), (4, 11)], backend, 0)
+                backend.synchronize(0)
+            for layer in range(3):
+                for block in range(12):
+                    (gk, gv), (hk, hv) = (c.read_block(layer, block, b) for c, b in zip(caches, (gpu, host)))
+                    assert np.array_equal(gk, hk) and np.array_equal(gv, hv), (layer, block)
+                region = caches[0].region_index(layer, "K")
+                got = gpu.reduce_bf16_blocks(caches[0].block_regions(), region, [0, 3, 9, 11], 0)
+                want = host.reduce_bf16_blocks(caches[1].block_regions(), region, [0, 3, 9, 11], 0)
+                assert np.allclose(got, want, rtol=1e-12, equal_nan=True), (got, want)
+            for cache, backend in zip(caches, (gpu, host)):
+                cache.release(backend)
+            assert gpu.live_allocations() == 0
+    ''')
+
+
+def test_gpu_test_module_runs_over_the_stub(stub_env):
+    """The cuda-marked tests, run with the stub standing in for the GPU: proves their
+    Python (setup, mirroring, comparisons, teardown), not the kernels they exist for."""
+    run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(4 << 30))
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        import pytest
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-m", "cuda", %r])
+        assert code == 0, code
+    ''' % str(Path(__file__).parent / "test_cuda_gpu.py"))
+
+
+def test_gpu_benchmark_runs_over_the_stub(stub_env):
+    """tools/bench_gpu.py end to end at a reduced size over the stub: every line prints.
+    The figures are the stub's (host memcpy), so the floors are not judged here."""
+    out = run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
+        import argparse
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        sys.path.insert(0, %r)
+        import bench_gpu
+        bench_gpu.GIB, bench_gpu.FILL_BLOCKS, bench_gpu.COPY_PAIRS = 32 << 20, 4, 4
+        try:
+            bench_gpu.run(argparse.Namespace(quick=True))
+        except SystemExit as stop:
+            assert stop.code == 1
+        assert STUB.stub_live_allocations() == 0 and STUB.stub_live_host_allocations() == 0
+        assert STUB.stub_live_streams() == 0 and STUB.stub_live_events() == 0
+    ''' % str(REPO_ROOT / "tools"))
+    for line in (
+        "copy ceiling: one 0.03125 GiB cuMemcpyDtoD",
+        "per-block cuMemsetD8Async loop",
+        "batched fill kernel",
+        "kernel / loop",
+        "copy 4 block pairs",
+        "checksum of 0.03125 GiB BF16",
+        "per-layer probe, 128 reductions of 4 blocks",
+        "as a fraction of the copy ceiling:",
+        "host I/O, 8 blocks x 64 layers x K,V of 32 KiB:",
+        "write_block from pageable",
+        "write_block from pinned",
+        "read_block into pageable",
+        "read_block into pinned (copy_d2h)",
+    ):
+        assert line in out, line

@@ -1,0 +1,158 @@
+"""NVRTC compilation of the kernels, the on-disk kernel cache, and the driver package's
+behaviour on a machine without CUDA. Needs NVRTC (the cu13/cu12 extra), never a GPU."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+
+import pagedkv.driver as driver_pkg  # noqa: E402
+from pagedkv.driver import nvrtc  # noqa: E402
+from pagedkv.driver.backend import KERNELS  # noqa: E402
+
+ARCHS = ["sm_80", "sm_90", "sm_100"]
+HAS_GPU_NODE = bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def test_every_kernel_source_is_listed_by_the_backend():
+    assert sorted(p.name for p in nvrtc.kernel_sources()) == sorted(KERNELS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", sorted(KERNELS))
+def test_kernel_compiles_to_cubin(filename, arch, tmp_path):
+    kernel = nvrtc.compile_cached(nvrtc.SOURCE_DIR / filename, arch, cache_dir=tmp_path)
+    assert kernel.cubin[:4] == b"\x7fELF" and kernel.cubin[4] == 2  # a 64-bit ELF: CUBIN, not PTX
+    assert not kernel.from_cache and kernel.arch == arch and kernel.filename == filename
+    for name, _ in KERNELS[filename]:
+        assert name.encode() + b"\0" in kernel.cubin, f"{name} missing from {filename} for {arch}"
+
+
+def test_broken_source_raises_with_the_log_and_file_name(tmp_path):
+    broken = tmp_path / "broken_kernel.cu"
+    broken.write_text('extern "C" __global__ void k(int* out) { out[0] = undeclared_thing; }\n')
+    with pytest.raises(nvrtc.NvrtcCompileError) as info:
+        nvrtc.compile_cached(broken, "sm_90", cache_dir=tmp_path / "cache")
+    err = info.value
+    assert err.filename == "broken_kernel.cu"
+    assert "undeclared_thing" in err.log and "error" in err.log
+    assert str(err).startswith("nvrtcCompileProgram failed: NVRTC_ERROR_COMPILATION (compilation failed) for broken_kernel.cu (sm_90):")
+    assert "undeclared_thing" in str(err)
+    assert not list((tmp_path / "cache").glob("*.cubin")), "a failed compile stores nothing"
+
+
+def test_cache_hits_on_the_second_compile(tmp_path):
+    source = nvrtc.SOURCE_DIR / "fill_blocks.cu"
+    first = nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path)
+    second = nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path)
+    assert (first.from_cache, second.from_cache) == (False, True)
+    assert second.cubin == first.cubin
+    other_arch = nvrtc.compile_cached(source, "sm_80", cache_dir=tmp_path)
+    assert not other_arch.from_cache, "the architecture is part of the key"
+    other_opts = nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path, options=("--std=c++17",))
+    assert not other_opts.from_cache, "the options are part of the key"
+    assert len(list(tmp_path.glob("*.cubin"))) == 3
+
+
+def test_changed_source_misses_the_cache(tmp_path):
+    source = tmp_path / "k.cu"
+    source.write_text('extern "C" __global__ void k(int* out) { out[0] = 1; }\n')
+    assert not nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path / "c").from_cache
+    source.write_text('extern "C" __global__ void k(int* out) { out[0] = 2; }\n')
+    assert not nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path / "c").from_cache
+
+
+@pytest.mark.parametrize("damage", ["flip_a_byte", "truncate", "empty", "garbage"])
+def test_corrupt_cache_entry_is_recompiled_and_repaired(tmp_path, damage):
+    source = nvrtc.SOURCE_DIR / "copy_blocks.cu"
+    good = nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path)
+    (entry,) = tmp_path.glob("*.cubin")
+    raw = bytearray(entry.read_bytes())
+    if damage == "flip_a_byte":
+        raw[len(raw) // 2] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 3]
+    elif damage == "empty":
+        raw = bytearray()
+    else:
+        raw = bytearray(b"not a cubin at all")
+    entry.write_bytes(bytes(raw))
+    again = nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path)
+    assert not again.from_cache and again.cubin == good.cubin
+    repaired = nvrtc.compile_cached(source, "sm_90", cache_dir=tmp_path)
+    assert repaired.from_cache and repaired.cubin == good.cubin
+
+
+def test_unwritable_cache_falls_back_to_compiling(tmp_path):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("a file where the cache directory should be")
+    source = nvrtc.SOURCE_DIR / "fill_blocks.cu"
+    first = nvrtc.compile_cached(source, "sm_90", cache_dir=blocker / "kernels")
+    second = nvrtc.compile_cached(source, "sm_90", cache_dir=blocker / "kernels")
+    assert first.cubin[:4] == b"\x7fELF" and second.cubin == first.cubin
+    assert (first.from_cache, second.from_cache) == (False, False)
+
+
+def test_cache_directory_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path / "from_env"))
+    assert nvrtc.default_cache_dir() == tmp_path / "from_env"
+    nvrtc.compile_cached(nvrtc.SOURCE_DIR / "fill_blocks.cu", "sm_90")
+    assert len(list((tmp_path / "from_env").glob("*.cubin"))) == 1
+    monkeypatch.delenv("PAGEDKV_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert nvrtc.default_cache_dir() == tmp_path / "xdg" / "pagedkv" / "kernels"
+
+
+def test_arch_option_refuses_an_architecture_nvrtc_lacks():
+    assert nvrtc.arch_option(9, 0) == "sm_90"
+    with pytest.raises(driver_pkg.CudaError, match=r"sm_37 is not among this NVRTC's targets"):
+        nvrtc.arch_option(3, 7)
+
+
+@pytest.mark.skipif(HAS_GPU_NODE, reason="this machine has an NVIDIA device node")
+def test_is_available_is_false_without_loading_anything():
+    driver_pkg.is_available.cache_clear()
+    assert driver_pkg.is_available() is False
+    assert driver_pkg.is_available() is False
+    assert driver_pkg.is_available.cache_info().hits >= 1, "the answer is cached"
+    with open("/proc/self/maps") as maps:
+        assert "libcuda.so" not in maps.read(), "is_available() must not load libcuda"
+
+
+def test_is_available_never_raises(monkeypatch):
+    def boom():
+        raise RuntimeError("probe failure")
+
+    monkeypatch.setattr(driver_pkg, "_has_gpu_device_node", boom)
+    driver_pkg.is_available.cache_clear()
+    try:
+        assert driver_pkg.is_available() is False
+    finally:
+        driver_pkg.is_available.cache_clear()
+
+
+@pytest.mark.skipif(HAS_GPU_NODE, reason="this machine has an NVIDIA device node")
+def test_cuda_unavailable_reads_as_one_sentence():
+    with pytest.raises(driver_pkg.CudaUnavailable) as info:
+        driver_pkg.CudaBackend()
+    message = str(info.value)
+    assert "\n" not in message and message.endswith(".") and message.count(". ") == 0
+    assert message in (
+        "No NVIDIA driver on this machine: libcuda.so.1 could not be loaded (DynamicLibNotFoundError).",
+        "The NVIDIA driver is installed but reports no GPU (CUDA_ERROR_NO_DEVICE).",
+    ), message
+
+
+def test_launcher_refuses_values_its_c_types_cannot_hold():
+    from pagedkv.driver.launch import FillArgs, KernelLauncher
+
+    launcher = KernelLauncher("pagedkv_fill_blocks", None, FillArgs)
+    fields = dict(table=1, num_rows=1, blocks=2, num_blocks=2**31, value=0)
+    with pytest.raises(OverflowError, match=r"num_blocks=2147483648 does not fit"):
+        launcher.launch(1, 256, 0, **fields)
+    del fields["value"]
+    with pytest.raises(TypeError, match=r"missing \['value'\]"):
+        launcher.launch(1, 256, 0, **fields)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One command for a machine with an NVIDIA GPU: the cuda-marked tests, then the GPU
+# benchmark section. Installs nothing from the network: wheels the machine lacks
+# (structlog, hypothesis) are taken from ./.whl when that directory exists. The repository
+# root goes on PYTHONPATH, so no install of pagedkv itself is needed. Exit status is
+# non-zero when a test fails or a benchmark floor is missed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+SITE="${PAGEDKV_GPU_SITE:-/tmp/site}"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" .whl/*.whl
+    export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PAGEDKV_KERNEL_CACHE="${PAGEDKV_KERNEL_CACHE:-/tmp/pagedkv-kernel-cache}"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+if ! "$PYTHON" -c "import sys, pagedkv.driver as d; sys.exit(0 if d.is_available() else 1)"; then
+    echo "gpu_check: no usable NVIDIA GPU here (pagedkv.driver.is_available() is False)" >&2
+    exit 2
+fi
+
+status=0
+echo "== pytest -m cuda =="
+timeout 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rs tests || status=$?
+echo "== tools/bench.py --gpu =="
+timeout 120 "$PYTHON" tools/bench.py --gpu || status=$?
+exit "$status"
