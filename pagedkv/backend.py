@@ -106,6 +106,48 @@ def as_block_array(blocks: Sequence[int] | np.ndarray, what: str = "blocks") -> 
     return arr
 
 
+def host_bytes(buf: Any, writable: bool) -> np.ndarray:
+    """A flat uint8 view (no copy) of a C-contiguous numpy array of any dtype (ml_dtypes'
+    bfloat16 included) or bytes-like object; ValueError for a read-only destination or a
+    strided buffer, TypeError for an object without the buffer protocol."""
+    if isinstance(buf, np.ndarray):
+        if writable and not buf.flags.writeable:
+            raise ValueError("destination host buffer is read-only")
+        if not buf.flags.c_contiguous:
+            raise ValueError("host buffer must be C-contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"host buffer must support the buffer protocol, got {type(buf).__name__}") from None
+    if writable and view.readonly:
+        raise ValueError("destination host buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("host buffer must be C-contiguous")
+    return np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
+
+
+def check_alloc_size(nbytes: Any) -> int:
+    """`nbytes` as a positive int, or ValueError naming it."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+        raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
+    return int(nbytes)
+
+
+def check_byte_count(nbytes: Any) -> int:
+    """`nbytes` as a non-negative int, or ValueError naming it."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"byte count must be a non-negative int, got {nbytes!r}")
+    return int(nbytes)
+
+
+def check_fill_byte(value: Any) -> int:
+    """`value` as a byte 0..255, or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 255:
+        raise ValueError(f"fill value must be a byte 0..255, got {value!r}")
+    return int(value)
+
+
 def check_copy_pairs(src: np.ndarray, dst: np.ndarray) -> None:
     """Refuse block-copy pairs a parallel copy would race on: unequal lengths, a repeated
     destination, a block that is both a source and a destination."""

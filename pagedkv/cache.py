@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from . import diagnostics, tokens
-from .backend import BlockRegions, DevicePtr, GpuBackend, as_block_array, check_copy_pairs
+from .backend import BlockRegions, DevicePtr, GpuBackend, as_block_array, check_copy_pairs, host_bytes
 from .config import KvCacheConfig
 from .env import flags
 from .errors import KvCacheError, KvCacheExhausted, RefCountError
@@ -615,5 +615,5 @@ class PagedKvCache:
 
 def _as_bytes(data) -> np.ndarray:
     if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        data = np.ascontiguousarray(data)
+    return host_bytes(data, writable=False)

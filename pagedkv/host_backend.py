@@ -13,7 +13,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .backend import Bf16Stats, BlockRegions, DevicePtr, as_block_array, check_copy_pairs
+from .backend import (
+    Bf16Stats,
+    BlockRegions,
+    DevicePtr,
+    as_block_array,
+    check_alloc_size,
+    check_byte_count,
+    check_copy_pairs,
+    check_fill_byte,
+    host_bytes,
+)
 from .errors import DeviceMemoryError, DeviceOutOfMemory
 
 ALIGNMENT = 256
@@ -24,25 +34,6 @@ _FIRST_ADDRESS = 0x7F00_0000_0000  # far from 0 and from small ints mistaken for
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
-
-
-def _host_bytes(buf: Any, writable: bool) -> np.ndarray:
-    """A flat uint8 view of a bytes-like object or numpy array (no copy)."""
-    if isinstance(buf, np.ndarray):  # numpy arrays of any dtype, ml_dtypes' bfloat16 included
-        if writable and not buf.flags.writeable:
-            raise ValueError("destination host buffer is read-only")
-        if not buf.flags.c_contiguous:
-            raise ValueError("host buffer must be C-contiguous")
-        return buf.reshape(-1).view(np.uint8)
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        raise TypeError(f"host buffer must support the buffer protocol, got {type(buf).__name__}") from None
-    if writable and view.readonly:
-        raise ValueError("destination host buffer is read-only")
-    if not view.c_contiguous:
-        raise ValueError("host buffer must be C-contiguous")
-    return np.frombuffer(view.cast("B"), dtype=np.uint8)
 
 
 class HostBackend:
@@ -64,9 +55,7 @@ class HostBackend:
 
     def alloc(self, nbytes: int) -> DevicePtr:
         """Allocate `nbytes` zero-filled bytes; DeviceOutOfMemory beyond the capacity."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-            raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
-        nbytes = int(nbytes)
+        nbytes = check_alloc_size(nbytes)
         free = self._capacity - self._used
         if nbytes > free:
             raise DeviceOutOfMemory(
@@ -101,8 +90,7 @@ class HostBackend:
 
     def view(self, ptr: DevicePtr, nbytes: int) -> np.ndarray:
         """The `nbytes` bytes at `ptr` as a writable uint8 array; raises past an allocation's end."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise ValueError(f"byte count must be a non-negative int, got {nbytes!r}")
+        nbytes = check_byte_count(nbytes)
         address = int(ptr)
         base = self._find(address)
         if base is None:
@@ -160,16 +148,16 @@ class HostBackend:
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
         """Set `nbytes` bytes at `ptr` to `value`."""
         self._check_stream(stream)
-        self.view(ptr, nbytes)[:] = _byte_value(value)
+        self.view(ptr, nbytes)[:] = check_fill_byte(value)
 
     def copy_h2d(self, src: Any, dst: DevicePtr) -> None:
         """Copy host buffer `src` to `dst`."""
-        data = _host_bytes(src, writable=False)
+        data = host_bytes(src, writable=False)
         self.view(dst, data.nbytes)[:] = data
 
     def copy_d2h(self, src: DevicePtr, dst: Any) -> None:
         """Fill host buffer `dst` from `src`."""
-        out = _host_bytes(dst, writable=True)
+        out = host_bytes(dst, writable=True)
         out[:] = self.view(src, out.nbytes)
 
     def copy_d2d(self, src: DevicePtr, dst: DevicePtr, nbytes: int, stream: int) -> None:
@@ -200,7 +188,7 @@ class HostBackend:
     def fill_blocks(self, regions: BlockRegions, blocks: Sequence[int], value: int, stream: int) -> None:
         """Set every byte of the listed blocks in every region to `value`."""
         self._check_stream(stream)
-        byte = _byte_value(value)
+        byte = check_fill_byte(value)
         idx = as_block_array(blocks)
         if idx.size == 0:
             return
@@ -243,9 +231,3 @@ def bf16_bytes_to_float64(raw: np.ndarray) -> np.ndarray:
     """Little-endian BF16 bytes as float64 values (exact: BF16 widens losslessly)."""
     bits = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype="<u2").astype(np.uint32) << 16
     return bits.view(np.float32).astype(np.float64)
-
-
-def _byte_value(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 255:
-        raise ValueError(f"fill value must be a byte 0..255, got {value!r}")
-    return int(value)

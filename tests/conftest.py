@@ -18,31 +18,27 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 HOST_CAPACITY = 1 << 30
 
 
-def _cuda_backend():
-    """A CudaBackend, or pytest.skip with the reason there is none."""
+@pytest.fixture(scope="session")
+def cuda_session():
+    """One CudaBackend for the whole session (one primary-context retain, kernels loaded
+    once), or pytest.skip with the reason there is none."""
     try:
         from pagedkv import driver
     except ImportError as err:  # pragma: no cover - the package always ships it
         pytest.skip(f"pagedkv.driver not importable: {err}")
-    is_available = getattr(driver, "is_available", None)
-    if is_available is None:
-        pytest.skip("pagedkv.driver has no CudaBackend yet")
-    if not is_available():
+    if not driver.is_available():
         pytest.skip("no CUDA driver or GPU on this machine")
-    return driver.CudaBackend()
+    backend = driver.CudaBackend()
+    yield backend
+    backend.close()
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])
 def gpu(request):
     """The backend under test: HostBackend always, CudaBackend where a GPU is present."""
     if request.param == "host":
-        yield HostBackend(capacity_bytes=HOST_CAPACITY)
-        return
-    backend = _cuda_backend()
-    try:
-        yield backend
-    finally:
-        backend.close()
+        return HostBackend(capacity_bytes=HOST_CAPACITY)
+    return request.getfixturevalue("cuda_session")
 
 
 @pytest.fixture

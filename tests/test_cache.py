@@ -405,6 +405,7 @@ def test_init_block_zeroes_by_default(gpu, env_flags):
 def test_init_block_poisons_when_flag_on(gpu, env_flags, value):
     env_flags(METRALE_KV_POISON=value)
     c = make(gpu, blocks=4)
+    c.zero_blocks(range(4), gpu, gpu.default_stream())  # device memory starts undefined
     c.init_block(3, gpu, gpu.default_stream())
     gpu.synchronize(gpu.default_stream())
     for layer in range(2):

@@ -225,6 +225,8 @@ def test_v_aliases_k_allocates_no_v_pool_and_frees_once():
 
 def test_v_aliases_k_skips_v_writes(gpu):
     c = PagedKvCache(config("bf16", layers=2, v_aliases_k=True), 4, gpu)
+    c.zero_blocks(range(4), gpu, gpu.default_stream())  # device memory starts undefined
+    gpu.synchronize(gpu.default_stream())
     k_data, v_data = bytes(range(200)), b"\xEE" * SIDE
     c.write_block(1, 3, k_data, v_data, gpu)
     c.write_block(0, 3, None, v_data, gpu)

@@ -567,9 +567,12 @@ def test_paged_cache_on_stub_matches_host_backend(stub_env):
     ''')
 
 
-def test_gpu_test_module_runs_over_the_stub(stub_env):
-    """The cuda-marked tests, run with the stub standing in for the GPU: proves their
-    Python (setup, mirroring, comparisons, teardown), not the kernels they exist for."""
+def test_cuda_marked_suite_runs_over_the_stub(stub_env):
+    """Every cuda-marked test of the suite (the cache, tokens, sequence and diagnostics
+    tests re-run through the `gpu` fixture, and test_cuda_gpu.py), with the stub standing
+    in for the GPU: proves their Python (setup, mirroring, comparisons, teardown) and that
+    nothing in them leans on HostBackend quirks such as zero-filled allocations, not the
+    kernels they exist for."""
     run_on_stub(stub_env, '''
         STUB.stub_set_total_mem(ctypes.c_size_t(4 << 30))
         import pagedkv.driver
@@ -577,7 +580,7 @@ def test_gpu_test_module_runs_over_the_stub(stub_env):
         import pytest
         code = pytest.main(["-q", "-p", "no:cacheprovider", "-m", "cuda", %r])
         assert code == 0, code
-    ''' % str(Path(__file__).parent / "test_cuda_gpu.py"))
+    ''' % str(Path(__file__).parent))
 
 
 def test_gpu_benchmark_runs_over_the_stub(stub_env):

@@ -186,6 +186,8 @@ def test_bad_writes_raise_and_write_nothing(gpu, make_cache, kwargs, error, word
 def test_grouped_format_needs_head_dim_multiple_of_16(gpu):
     cfg = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=8, num_layers=1, dtype="turbo4")
     cache = PagedKvCache(cfg, 2, gpu)
+    cache.zero_blocks([0, 1], gpu, 0)  # device memory starts undefined
+    gpu.synchronize(0)
     try:
         with pytest.raises(ValueError, match="head_dim 8 is not a multiple of 16"):
             cache.write_tokens(0, [0], np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32), gpu, 0)

@@ -14,7 +14,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backend import Bf16Stats, BlockRegions, DevicePtr, as_block_array, check_copy_pairs
+from ..backend import (
+    Bf16Stats,
+    BlockRegions,
+    DevicePtr,
+    as_block_array,
+    check_alloc_size,
+    check_byte_count,
+    check_copy_pairs,
+    check_fill_byte,
+    host_bytes,
+)
 from ..errors import DeviceMemoryError
 from ..log import get_logger
 from . import nvrtc
@@ -84,34 +94,8 @@ def _host_view(buf: Any, writable: bool) -> tuple[int, int, Any]:
     """(address, nbytes, keep-alive) of a C-contiguous host buffer or PinnedBuffer."""
     if isinstance(buf, PinnedBuffer):
         buf = buf.array
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        raise TypeError(f"host buffer must support the buffer protocol, got {type(buf).__name__}") from None
-    if writable and view.readonly:
-        raise ValueError("destination host buffer is read-only")
-    if not view.c_contiguous:
-        raise ValueError("host buffer must be C-contiguous")
-    arr = np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
+    arr = host_bytes(buf, writable)
     return arr.ctypes.data, arr.nbytes, arr
-
-
-def _positive_nbytes(nbytes: Any, what: str = "allocation size") -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-        raise ValueError(f"{what} must be a positive int, got {nbytes!r}")
-    return int(nbytes)
-
-
-def _byte_count(nbytes: Any) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-        raise ValueError(f"byte count must be a non-negative int, got {nbytes!r}")
-    return int(nbytes)
-
-
-def _byte_value(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 255:
-        raise ValueError(f"fill value must be a byte 0..255, got {value!r}")
-    return int(value)
 
 
 def _int32_indices(idx: np.ndarray, what: str) -> np.ndarray:
@@ -268,7 +252,7 @@ class CudaBackend:
 
     def alloc(self, nbytes: int) -> DevicePtr:
         """`cuMemAlloc` of `nbytes`; CudaOutOfMemory (a CudaError and a DeviceOutOfMemory) when it fails for lack of memory."""
-        nbytes = _positive_nbytes(nbytes)
+        nbytes = check_alloc_size(nbytes)
         driver = self._enter()
         ptr = int(check(driver.cuMemAlloc(nbytes), "cuMemAlloc", f"asking {_gib(nbytes)}"))
         with self._lock:
@@ -309,7 +293,7 @@ class CudaBackend:
 
     def alloc_pinned(self, nbytes: int) -> PinnedBuffer:
         """Page-locked host memory (`cuMemHostAlloc`) for the async host copies."""
-        nbytes = _positive_nbytes(nbytes)
+        nbytes = check_alloc_size(nbytes)
         driver = self._enter()
         address = int(check(driver.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc", f"asking {_gib(nbytes)}"))
         buf = PinnedBuffer(address, nbytes, self._free_pinned)
@@ -371,8 +355,8 @@ class CudaBackend:
 
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
         """`cuMemsetD8Async` of `nbytes` bytes at `ptr` to `value`."""
-        value = _byte_value(value)
-        nbytes = _byte_count(nbytes)
+        value = check_fill_byte(value)
+        nbytes = check_byte_count(nbytes)
         handle = self._stream(stream)
         if nbytes:
             driver = self._enter()
@@ -413,7 +397,7 @@ class CudaBackend:
 
     def copy_d2d(self, src: DevicePtr, dst: DevicePtr, nbytes: int, stream: int) -> None:
         """`cuMemcpyDtoDAsync` of `nbytes` on `stream`."""
-        nbytes = _byte_count(nbytes)
+        nbytes = check_byte_count(nbytes)
         handle = self._stream(stream)
         if nbytes:
             driver = self._enter()
@@ -482,7 +466,7 @@ class CudaBackend:
 
     def fill_blocks(self, regions: BlockRegions, blocks: Sequence[int], value: int, stream: int) -> None:
         """Every byte of the listed blocks in every region set to `value`: one kernel launch."""
-        byte = _byte_value(value)
+        byte = check_fill_byte(value)
         handle = self._stream(stream)
         idx = _int32_indices(as_block_array(blocks), "blocks")
         if idx.size == 0 or len(regions) == 0:
