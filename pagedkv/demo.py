@@ -20,6 +20,8 @@ from .backend import GpuBackend
 from .cache import POISON_BYTE, PagedKvCache
 from .config import KvCacheConfig
 from .host_backend import HostBackend, bf16_bytes_to_float64
+from .prefix_cache import PrefixCache
+from .sequence_table import SequenceTable
 from .teardown import Teardown
 
 
@@ -127,6 +129,69 @@ def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Ch
     checks.run("poison and free", poison_and_free)
 
 
+def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
+    """Prefix reuse and copy-on-write through SequenceTable and PrefixCache, with real KV."""
+    config = KvCacheConfig(block_size=16, num_kv_heads=4, head_dim=64, num_layers=2, dtype="bf16")
+    cache = PagedKvCache(config, 64, gpu)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu, stream)
+    rng = np.random.default_rng(2)
+    prompt = list(range(1000, 1072))  # 4.5 blocks
+
+    def write_step(seq_id) -> dict[int, np.ndarray]:
+        slots = table.slot_mapping([seq_id]).host
+        written = {}
+        for layer in range(config.num_layers):
+            k = rng.standard_normal((slots.size, 4, 64)).astype(ml_dtypes.bfloat16)
+            cache.write_tokens(layer, slots, k, k, gpu, stream)
+            written[layer] = k.astype(np.float32)
+        return written
+
+    def slots_of(seq_id, start, stop) -> np.ndarray:
+        blocks = table.blocks(seq_id)
+        return np.array([blocks[p // 16] * 16 + p % 16 for p in range(start, stop)], dtype=np.int64)
+
+    def reuse() -> str:
+        assert table.add("a", prompt) == 0
+        first = write_step("a")
+        table.free("a")
+        assert prefix.num_cached_blocks() == 4, f"{prefix.num_cached_blocks()} blocks cached"
+        matched = table.add("b", prompt[:64] + list(range(9000, 9011)))
+        assert matched == 64, f"matched {matched} tokens, expected 64"
+        for layer in range(config.num_layers):
+            k, _ = cache.read_tokens(layer, slots_of("b", 0, 64), gpu)
+            assert np.array_equal(k, first[layer][:64]), f"layer {layer}: reused KV differs"
+        write_step("b")
+        table.check_invariants()
+        return f"seq b reused {matched} cached tokens of seq a; their KV reads back exactly"
+
+    def copy_on_write() -> str:
+        before = {layer: cache.read_tokens(layer, slots_of("b", 64, 75), gpu)[0] for layer in range(2)}
+        table.fork("b", "c")
+        shared = table.blocks("b")[-1]
+        table.append("c", token_ids=[7])
+        assert table.blocks("c")[-1] != shared, "the partly filled block was not copied"
+        write_step("c")
+        for layer in range(config.num_layers):
+            assert np.array_equal(cache.read_tokens(layer, slots_of("b", 64, 75), gpu)[0], before[layer])
+            assert np.array_equal(cache.read_tokens(layer, slots_of("c", 64, 75), gpu)[0], before[layer])
+        table.check_invariants()
+        for seq_id in ("b", "c"):
+            table.free(seq_id)
+        evicted = prefix.evict(cache.num_blocks())
+        table.check_invariants()
+        assert cache.num_free_blocks() == cache.num_blocks(), "blocks leaked"
+        return f"fork + append copied the shared last block; parent unchanged; {len(evicted)} cached blocks evicted"
+
+    try:
+        checks.run("prefix reuse", reuse)
+        checks.run("fork and copy-on-write", copy_on_write)
+    finally:
+        table.release(gpu)
+        prefix.close()
+        cache.release(gpu)
+
+
 def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
     config = KvCacheConfig(
         block_size=16, num_kv_heads=8, head_dim=128, num_layers=4, dtype="turbo4k3v",
@@ -197,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         _serving_cycle(cache, gpu, stream, checks)
+        _sequences(gpu, stream, checks)
         _hybrid_cache(gpu, stream, checks)
     finally:
         checks.run("teardown", lambda: teardown.release_all(gpu))

@@ -89,7 +89,7 @@ def test_demo_passes_on_host(capsys):
     out = capsys.readouterr().out
     assert "on HostBackend" in out
     assert "[FAIL]" not in out
-    assert out.rstrip().splitlines()[-1].startswith("demo: 8 passed, 0 failed")
+    assert out.rstrip().splitlines()[-1].startswith("demo: 10 passed, 0 failed")
 
 
 class _BitFlippingBackend(HostBackend):
