@@ -469,6 +469,8 @@ def test_error_statuses_map_to_cuda_errors(stub_env):
                                     "was encountered) (pagedkv_fill_blocks, grid 1, block 256)"), str(err)
             else:
                 raise AssertionError("launch failure")
+            slot = gpu._staging._slots[0]
+            assert slot.pending, "the failed launch's queued upload must keep its slot busy"
             gpu.fill_blocks(regions, [0], 3, 0)  # the staging slot is usable after the failed launch
             out = np.empty(64, np.uint8)
             gpu.copy_d2h(ptr, out)
@@ -511,6 +513,43 @@ def test_unavailable_and_failed_construction_release_everything(stub_env):
         assert STUB.stub_live_allocations() == 0
         with CudaBackend() as gpu:  # a clean construction afterwards works
             gpu.free(gpu.alloc(8))
+    ''')
+
+
+def test_close_releases_the_context_when_it_cannot_be_made_current(stub_env):
+    """A thread where cuCtxSetCurrent fails still releases the primary context on close(),
+    and a construction failing that way leaves no retain behind."""
+    run_on_stub(stub_env, '''
+        from cuda.bindings import driver as D
+        from pagedkv.driver import CudaBackend, CudaError
+        real = D.cuCtxSetCurrent
+        D.cuCtxSetCurrent = lambda ctx: (D.CUresult(201),)
+        try:
+            CudaBackend()
+        except CudaError as err:
+            assert err.call == "cuCtxSetCurrent", str(err)
+        else:
+            raise AssertionError("construction with a failing cuCtxSetCurrent")
+        assert STUB.stub_primary_refs() == 0
+        D.cuCtxSetCurrent = real
+        gpu = CudaBackend()
+        gpu.alloc(1024)
+        errors = []
+
+        def closer():
+            D.cuCtxSetCurrent = lambda ctx: (D.CUresult(201),)
+            try:
+                gpu.close()
+            except CudaError as err:
+                errors.append(err.call)
+            finally:
+                D.cuCtxSetCurrent = real
+
+        thread = threading.Thread(target=closer)
+        thread.start()
+        thread.join()
+        assert errors == ["cuCtxSetCurrent"], errors
+        assert gpu.closed and STUB.stub_primary_refs() == 0
     ''')
 
 

@@ -198,7 +198,8 @@ class CudaBackend:
         raised). A second call does nothing."""
         if self._closed:
             return
-        driver = self._enter()
+        from cuda.bindings import driver
+
         first: BaseException | None = None
 
         def attempt(action, *args) -> None:
@@ -209,6 +210,23 @@ class CudaBackend:
                 first = first or err
                 _log.error("cuda_close_step_failed", error=str(err))
 
+        try:
+            self._close_resources(driver, attempt)
+        finally:
+            self._closed = True
+            if self._ctx is not None:
+                attempt(lambda: check(driver.cuDevicePrimaryCtxRelease(self._device), "cuDevicePrimaryCtxRelease"))
+                self._ctx = None
+                if getattr(_THREAD, "backend", None) == self._id:
+                    _THREAD.backend = None
+        if first is not None:
+            raise first
+
+    def _close_resources(self, driver, attempt) -> None:
+        """Free everything held, each step through `attempt`; the primary context is made
+        current first (if that fails, the frees are still attempted)."""
+        if self._ctx is not None:
+            attempt(self._enter)
         attempt(lambda: check(driver.cuCtxSynchronize(), "cuCtxSynchronize"))
         attempt(self._staging.close)
         leaked = len(self._allocs) + len(self._pinned) + len(self._streams)
@@ -228,14 +246,6 @@ class CudaBackend:
         for module in self._modules:
             attempt(lambda m=module: check(driver.cuModuleUnload(m), "cuModuleUnload"))
         self._modules, self._launchers = [], {}
-        self._closed = True
-        if self._ctx is not None:
-            attempt(lambda: check(driver.cuDevicePrimaryCtxRelease(self._device), "cuDevicePrimaryCtxRelease"))
-            self._ctx = None
-            if getattr(_THREAD, "backend", None) == self._id:
-                _THREAD.backend = None
-        if first is not None:
-            raise first
 
     def __enter__(self) -> "CudaBackend":
         return self
@@ -473,14 +483,12 @@ class CudaBackend:
             return
         table = self._table(regions, int(idx.max()))
         self._enter()
-        with self._lock:
-            slot = self._staging.acquire(idx.nbytes)
+        with self._lock, self._staging.in_use(idx.nbytes, handle) as slot:
             self._upload(slot, [idx], handle)
             self._launchers["pagedkv_fill_blocks"].launch(
                 self._grid(len(regions) * idx.size, CTAS_PER_SM), THREADS, handle,
                 table=table, num_rows=len(regions), blocks=slot.device, num_blocks=idx.size, value=byte,
             )
-            self._staging.record(slot, handle)
 
     def copy_blocks(self, regions: BlockRegions, src: Sequence[int], dst: Sequence[int], stream: int) -> None:
         """Block `src[i]` copied over `dst[i]` in every region: one kernel launch."""
@@ -493,14 +501,12 @@ class CudaBackend:
         s, d = _int32_indices(s, "src"), _int32_indices(d, "dst")
         table = self._table(regions, max(int(s.max()), int(d.max())))
         self._enter()
-        with self._lock:
-            slot = self._staging.acquire(s.nbytes + d.nbytes)
+        with self._lock, self._staging.in_use(s.nbytes + d.nbytes, handle) as slot:
             self._upload(slot, [s, d], handle)
             self._launchers["pagedkv_copy_blocks"].launch(
                 self._grid(len(regions) * s.size, CTAS_PER_SM), THREADS, handle,
                 table=table, num_rows=len(regions), src=slot.device, dst=slot.device + s.nbytes, num_pairs=s.size,
             )
-            self._staging.record(slot, handle)
 
     def reduce_bf16_blocks(self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int) -> Bf16Stats:
         """Float64 sum, sum of squares and sum of |x| of the BF16 values in the listed
@@ -522,21 +528,20 @@ class CudaBackend:
         partials_at = -(-idx.nbytes // 16) * 16
         out_at = partials_at + 24 * grid
         with self._lock:
-            slot = self._staging.acquire(out_at + 24)
-            self._upload(slot, [idx], handle)
-            self._launchers["pagedkv_reduce_bf16_partial"].launch(
-                grid, THREADS, handle,
-                base=int(regions.bases[region]), stride=int(regions.strides[region]), nbytes=nbytes,
-                blocks=slot.device, num_blocks=idx.size, partials=slot.device + partials_at,
-            )
-            self._launchers["pagedkv_reduce_bf16_final"].launch(
-                1, THREADS, handle, partials=slot.device + partials_at, num_partials=grid, out=slot.device + out_at,
-            )
-            check(
-                driver.cuMemcpyDtoHAsync(slot.host_address + out_at, slot.device + out_at, 24, handle),
-                "cuMemcpyDtoHAsync",
-            )
-            self._staging.record(slot, handle)
+            with self._staging.in_use(out_at + 24, handle) as slot:
+                self._upload(slot, [idx], handle)
+                self._launchers["pagedkv_reduce_bf16_partial"].launch(
+                    grid, THREADS, handle,
+                    base=int(regions.bases[region]), stride=int(regions.strides[region]), nbytes=nbytes,
+                    blocks=slot.device, num_blocks=idx.size, partials=slot.device + partials_at,
+                )
+                self._launchers["pagedkv_reduce_bf16_final"].launch(
+                    1, THREADS, handle, partials=slot.device + partials_at, num_partials=grid, out=slot.device + out_at,
+                )
+                check(
+                    driver.cuMemcpyDtoHAsync(slot.host_address + out_at, slot.device + out_at, 24, handle),
+                    "cuMemcpyDtoHAsync",
+                )
             check(driver.cuEventSynchronize(slot.event), "cuEventSynchronize")
             slot.pending = False
             result = slot.host[out_at : out_at + 24].view(np.float64).copy()

@@ -8,8 +8,9 @@ while a copy or a kernel still reads it, whatever stream it ran on.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -98,6 +99,24 @@ class StagingRing:
 
         check(driver.cuEventRecord(slot.event, stream), "cuEventRecord")
         slot.pending = True
+
+    @contextlib.contextmanager
+    def in_use(self, nbytes: int, stream: Any) -> Iterator[StagingSlot]:
+        """A slot for work the block enqueues on `stream`. On leaving the block, normally or
+        by an exception (a failed launch after a queued upload), the slot is marked in use
+        until that work completes; if even the event cannot be recorded, the stream is
+        waited for, so a queued copy can never race the slot's next user."""
+        from cuda.bindings import driver
+
+        slot = self.acquire(nbytes)
+        try:
+            yield slot
+        finally:
+            try:
+                self.record(slot, stream)
+            except Exception:
+                driver.cuStreamSynchronize(stream)  # best effort; the record error propagates
+                raise
 
     def close(self) -> None:
         """Release every slot, attempting all; the first error is raised."""
