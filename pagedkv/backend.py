@@ -9,11 +9,12 @@ row (or one row, for the reduction) for a list of block indices, in one launch.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from .validate import as_int, non_negative_int, positive_int
 
 
 class DevicePtr(int):
@@ -31,13 +32,7 @@ class DevicePtr(int):
     def offset(self, nbytes: int) -> "DevicePtr":
         """The address `nbytes` further on (negative goes back; below zero raises; a
         non-integer offset raises TypeError rather than being truncated)."""
-        if isinstance(nbytes, bool):
-            raise TypeError(f"a byte offset must be an int, got {nbytes!r}")
-        try:
-            delta = operator.index(nbytes)
-        except TypeError:
-            raise TypeError(f"a byte offset must be an int, got {nbytes!r}") from None
-        return DevicePtr(int(self) + delta)
+        return DevicePtr(int(self) + as_int(nbytes, "a byte offset"))
 
     @property
     def is_null(self) -> bool:
@@ -129,16 +124,12 @@ def host_bytes(buf: Any, writable: bool) -> np.ndarray:
 
 def check_alloc_size(nbytes: Any) -> int:
     """`nbytes` as a positive int, or ValueError naming it."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-        raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
-    return int(nbytes)
+    return positive_int(nbytes, "allocation size")
 
 
 def check_byte_count(nbytes: Any) -> int:
     """`nbytes` as a non-negative int, or ValueError naming it."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-        raise ValueError(f"byte count must be a non-negative int, got {nbytes!r}")
-    return int(nbytes)
+    return non_negative_int(nbytes, "byte count")
 
 
 def check_fill_byte(value: Any) -> int:

@@ -12,7 +12,7 @@ enqueued); the cache never owns the backend.
 
 from __future__ import annotations
 
-import operator
+import collections
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -24,6 +24,7 @@ from .env import flags
 from .errors import KvCacheError, KvCacheExhausted, RefCountError
 from .log import get_logger
 from .trace import BlockTracer
+from .validate import as_int, non_negative_int, positive_int
 
 POISON_BYTE = 0xFF
 """The byte `poison_block` writes: BF16 0xFFFF is a NaN, so a read of a stale block shows."""
@@ -37,8 +38,7 @@ class PagedKvCache:
     def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend):
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        num_blocks = positive_int(num_blocks, "num_blocks")
         self._config = config
         self._num_blocks = num_blocks
         layers = range(config.num_layers)
@@ -117,10 +117,16 @@ class PagedKvCache:
         return f"PagedKvCache({self._config.num_layers} layers x {self._num_blocks} blocks, {self._config.dtype})"
 
     def release(self, gpu: GpuBackend) -> None:
-        """Free every pool (all attempted; the first error raised) and empty the bookkeeping.
-        Afterwards allocation fails; a second call does nothing."""
+        """Close an attached prefix cache, free every pool (all attempted; the first error
+        raised) and empty the bookkeeping. Afterwards allocation fails; a second call does
+        nothing."""
         if self._released:
             return
+        if self._prefix_cache is not None:
+            try:
+                self._prefix_cache.close()  # hands its references back and detaches
+            except Exception as err:  # noqa: BLE001 - the pools must be freed regardless
+                _log.error("kv_prefix_cache_close_failed", error=str(err))
         self._released = True
         self._free, self._refs, self._num_blocks = [], [], 0
         self._free_pools(gpu, raise_first=True)
@@ -130,12 +136,7 @@ class PagedKvCache:
     def _block(self, block: object) -> int:
         """`block` as an in-range int index, or IndexError/TypeError naming it."""
         if type(block) is not int:
-            if isinstance(block, bool):
-                raise TypeError(f"block index must be an int, got {block!r}")
-            try:
-                block = operator.index(block)
-            except TypeError:
-                raise TypeError(f"block index must be an int, got {block!r}") from None
+            block = as_int(block, "block index")
         if not 0 <= block < self._num_blocks:
             if self._released:
                 raise KvCacheError(f"block {block}: the cache has been released")
@@ -149,7 +150,11 @@ class PagedKvCache:
 
     def _blocks(self, blocks: Iterable[int]) -> np.ndarray:
         """`blocks` as an int64 array; IndexError names the first index outside [0, num_blocks)."""
-        arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks))
+        if not isinstance(blocks, np.ndarray):
+            blocks = list(blocks)
+            if bool in set(map(type, blocks)):
+                raise TypeError(f"block indices must be ints, got {blocks!r}")
+        arr = np.asarray(blocks)
         if arr.size and arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer):
             bad = arr[(arr < 0) | (arr >= self._num_blocks)]
             if bad.size:
@@ -189,8 +194,7 @@ class PagedKvCache:
         When the free list is short, an attached prefix cache evicts just enough first. All
         or nothing: KvCacheExhausted, nothing taken and nothing evicted when even eviction
         cannot make `n` free."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"number of blocks must be a non-negative int, got {n!r}")
+        n = non_negative_int(n, "number of blocks")
         free = self._free
         if n > len(free) and (self._prefix_cache is None or not self._prefix_cache.reclaim(n - len(free))):
             raise self._exhausted(n)
@@ -293,7 +297,9 @@ class PagedKvCache:
 
     def free_blocks(self, table: Sequence[int]) -> None:
         """Drop one reference to each block of `table`, last first, so the blocks come back
-        in the order they were allocated. Every index is checked before any count changes."""
+        in the order they were allocated. Every index is checked before any count changes,
+        and while Python assertions are on so is every count (a block listed more often
+        than it is referenced raises RefCountError with nothing changed)."""
         blocks = list(table)
         refs, done = self._refs, 0
         if self._tracer is None:
@@ -312,6 +318,10 @@ class PagedKvCache:
             refs[block] = 1  # undo the partial fast path; the general path below redoes it
         if not self._all_valid(blocks):
             blocks = [self._block(b) for b in blocks]  # raises naming the bad entry
+        if __debug__:
+            for block, times in collections.Counter(blocks).items():
+                if refs[block] < times:
+                    self._dec_at_zero(block)  # logs and raises before any count changes
         for block in reversed(blocks):
             self.dec_ref(block)
 
@@ -605,8 +615,7 @@ class PagedKvCache:
     @staticmethod
     def compute_num_blocks(config: KvCacheConfig, available_bytes: int) -> int:
         """How many blocks fit in `available_bytes` across every layer's K and V pools."""
-        if isinstance(available_bytes, bool) or not isinstance(available_bytes, int) or available_bytes < 0:
-            raise ValueError(f"available_bytes must be a non-negative int, got {available_bytes!r}")
+        available_bytes = non_negative_int(available_bytes, "available_bytes")
         per_block = config.block_bytes_kv_all_layers()
         if per_block <= 0:
             raise ValueError(f"a block costs {per_block} bytes: cannot size a cache")

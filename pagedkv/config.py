@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+from .validate import index_in_range, positive_int
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,7 @@ class KvCacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_dim", "num_layers"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, positive_int(getattr(self, name), name))
         object.__setattr__(self, "dtype", KvCacheDtype.parse(self.dtype))
         dtypes = tuple(KvCacheDtype.parse(d) for d in self.layer_dtypes)
         dims = tuple(self._parse_dims(i, d) for i, d in enumerate(self.layer_dims))
@@ -48,7 +43,9 @@ class KvCacheConfig:
         if len(dims) > self.num_layers:
             raise ValueError(f"layer_dims has {len(dims)} entries but num_layers is {self.num_layers}")
         if self.cache_blocks_per_seq is not None:
-            _positive_int("cache_blocks_per_seq", self.cache_blocks_per_seq)
+            object.__setattr__(
+                self, "cache_blocks_per_seq", positive_int(self.cache_blocks_per_seq, "cache_blocks_per_seq")
+            )
         if not isinstance(self.v_aliases_k, bool):
             raise ValueError(f"v_aliases_k must be a bool, got {self.v_aliases_k!r}")
         for layer in range(self.num_layers):
@@ -63,8 +60,8 @@ class KvCacheConfig:
                 f"layer_dims[{layer}] must be a (num_kv_heads, head_dim) pair, got {dims!r}"
             ) from None
         return (
-            _positive_int(f"layer_dims[{layer}] num_kv_heads", heads),
-            _positive_int(f"layer_dims[{layer}] head_dim", head_dim),
+            positive_int(heads, f"layer_dims[{layer}] num_kv_heads"),
+            positive_int(head_dim, f"layer_dims[{layer}] head_dim"),
         )
 
     def _validate_layer(self, layer: int) -> None:
@@ -81,11 +78,7 @@ class KvCacheConfig:
             )
 
     def _check_layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer index must be an int, got {layer!r}")
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range for a cache of {self.num_layers} layers")
-        return layer
+        return index_in_range(layer, self.num_layers, "layer", f"a cache of {self.num_layers} layers")
 
     def dtype_for_layer(self, layer: int) -> KvCacheDtype:
         """The storage format of `layer`."""

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .dtype import KvCacheDtype
 from .log import get_logger
+from .validate import as_int
 
 if TYPE_CHECKING:
     from .backend import GpuBackend
@@ -39,7 +40,7 @@ def checksum_per_layer(
     """
     blocks = list(blocks)
     cache._blocks(blocks)  # every index checked before any event is written
-    cut = min(max(int(boundary_idx), 0), len(blocks))
+    cut = min(max(as_int(boundary_idx, "boundary_idx"), 0), len(blocks))
     regions = (("prefix", blocks[:cut]), ("suffix", blocks[cut:]))
     gpu.synchronize(stream)
     table = cache.block_regions()

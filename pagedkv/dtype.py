@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+from .validate import positive_int
+
 GROUP_SIZE = 16
 """Elements per quantisation group of the grouped formats (nvfp4 and turbo*)."""
 
@@ -155,8 +157,7 @@ def side_bytes(side: KvCacheDtype, elements: int) -> int:
 def _layout(side: KvCacheDtype, elements: int) -> tuple[int, int]:
     if side not in _SIDE_LAYOUT:
         raise ValueError(f"{side} is not a side format; use kv_pair() to split an asymmetric format")
-    if isinstance(elements, bool) or not isinstance(elements, int) or elements <= 0:
-        raise ValueError(f"elements per block side must be a positive int, got {elements!r}")
+    elements = positive_int(elements, "elements per block side")
     bits, scale = _SIDE_LAYOUT[side]
     if scale and elements % GROUP_SIZE:
         raise ValueError(

@@ -25,6 +25,7 @@ from .backend import (
     host_bytes,
 )
 from .errors import DeviceMemoryError, DeviceOutOfMemory
+from .validate import index_in_range, positive_int
 
 ALIGNMENT = 256
 """Every HostBackend allocation starts on a multiple of this many bytes."""
@@ -41,9 +42,7 @@ class HostBackend:
     and never reused, so a stale pointer is caught as unknown."""
 
     def __init__(self, capacity_bytes: int = 8 << 30):
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        self._capacity = capacity_bytes
+        self._capacity = positive_int(capacity_bytes, "capacity_bytes")
         self._used = 0
         self._next_address = _FIRST_ADDRESS
         self._bases: list[int] = []  # sorted allocation bases
@@ -215,8 +214,7 @@ class HostBackend:
     ) -> Bf16Stats:
         """Float64 sum, sum of squares and sum of |x| of the BF16 values in the listed blocks."""
         self._check_stream(stream)
-        if not 0 <= region < len(regions):
-            raise IndexError(f"region {region} out of range for a table of {len(regions)} regions")
+        region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
         if int(regions.nbytes[region]) % 2:
             raise ValueError(f"region {region} has an odd block size {int(regions.nbytes[region])}: not BF16")
         idx = as_block_array(blocks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from fractions import Fraction
 from dataclasses import dataclass
 
 from .config import KvCacheConfig
@@ -19,12 +20,16 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    """`40GiB`, `512MiB`, `1.5TB`, `40G` (binary), `1000` -> bytes; ValueError on anything else."""
+    """`40GiB`, `512MiB`, `1.5TB`, `40G` (binary), `1000` -> bytes, computed exactly and
+    rounded down to a whole byte; ValueError on anything else or on less than one byte."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (examples: 40GiB, 512MiB, 1.5TB, 1000)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    nbytes = int(Fraction(match.group(1)) * _UNITS[unit])
+    if nbytes < 1:
+        raise ValueError(f"not a memory size: {text!r} is less than one byte")
+    return nbytes
 
 
 def parse_dims(text: str) -> tuple[tuple[int, int], ...]:

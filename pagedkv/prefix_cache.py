@@ -33,6 +33,7 @@ import numpy as np
 from .cache import PagedKvCache
 from .errors import KvCacheError, RefCountError
 from .log import get_logger
+from .validate import non_negative_int
 
 _log = get_logger("prefix_cache")
 
@@ -154,8 +155,8 @@ class PrefixCache:
         reference for the caller on each returned block (free it like your own) and
         refreshes their recency."""
         adapter_id = adapter_id_checked(adapter_id)
-        if isinstance(tokens, np.ndarray):
-            tokens = tokens.tolist()
+        if isinstance(tokens, np.ndarray) or set(map(type, tokens)) - {int}:
+            tokens = token_list(tokens)  # validates (a float or bool never matches an int key)
         bs = self._block_size
         node = self._roots.get(adapter_id)
         path: list[_Node] = []
@@ -332,9 +333,7 @@ class PrefixCache:
         """Evict up to `n` least-recently-used leaves whose block only the cache holds,
         children before parents; returns the blocks, now on the free list. A block a
         sequence still holds is never evicted."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"number of blocks to evict must be a non-negative int, got {n!r}")
-        return self._evict_chosen(self._select(n))
+        return self._evict_chosen(self._select(non_negative_int(n, "number of blocks to evict")))
 
     def reclaim(self, n: int) -> bool:
         """Evict exactly `n` blocks if that many are evictable, else nothing; True on
@@ -363,8 +362,10 @@ class PrefixCache:
 
     def close(self) -> None:
         """`clear()` and detach from the cache, which then allocates without evicting."""
-        self.clear()
-        self._cache.detach_prefix_cache(self)
+        try:
+            self.clear()
+        finally:
+            self._cache.detach_prefix_cache(self)
 
     # -- introspection -----------------------------------------------------------------
 
@@ -429,9 +430,7 @@ class PrefixCache:
 
 def adapter_id_checked(adapter_id: object) -> int:
     """`adapter_id` if it is a non-negative int (0 = base model), else ValueError naming it."""
-    if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or adapter_id < 0:
-        raise ValueError(f"adapter_id must be a non-negative int, got {adapter_id!r}")
-    return adapter_id
+    return non_negative_int(adapter_id, "adapter_id")
 
 
 def token_list(tokens: Sequence[int]) -> list[int]:

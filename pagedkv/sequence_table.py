@@ -26,6 +26,7 @@ from .cache import PagedKvCache
 from .errors import KvCacheError
 from .log import get_logger
 from .prefix_cache import PrefixCache, adapter_id_checked, token_list
+from .validate import non_negative_int
 
 _log = get_logger("sequence_table")
 
@@ -105,7 +106,9 @@ class SequenceTable:
         """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
         the prefix cache (whole blocks; never the last prompt token, which the engine must
         compute). Raises ValueError for a duplicate id or a prompt longer than the window,
-        KvCacheExhausted when blocks run out."""
+        KvCacheExhausted when blocks run out (nothing changed). A backend error while
+        initialising new blocks frees them again; cached blocks the prefix cache evicted to
+        make room stay evicted (every count stays consistent)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = token_list(prompt_tokens)
@@ -137,7 +140,9 @@ class SequenceTable:
         when given, are remembered so the blocks can be cached. Allocates only at a block
         boundary, copies a shared partly filled last block first, and releases the oldest
         blocks beyond the window. ValueError when the step's tokens span more blocks than
-        the window; KvCacheExhausted (nothing changed) when blocks run out."""
+        the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
+        while initialising or copying new blocks frees them again; cached blocks the prefix
+        cache evicted to make room stay evicted (every count stays consistent)."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
@@ -150,7 +155,7 @@ class SequenceTable:
         elif n_tokens is None:
             n_tokens = 1
         if type(n_tokens) is not int or n_tokens < 0:
-            raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
+            n_tokens = non_negative_int(n_tokens, "n_tokens")
         old = seq.num_tokens
         total = old + n_tokens
         bs = self._bs
@@ -208,9 +213,7 @@ class SequenceTable:
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start `dst` as a copy of `src` sharing every block (one more reference each); the
         first write of either into a shared, partly filled last block copies it first."""
-        parent = self._seqs.get(src)
-        if parent is None:
-            raise KeyError(f"unknown sequence {src!r}")
+        parent = self._get(src)
         if dst in self._seqs:
             raise ValueError(f"sequence {dst!r} already exists")
         child = parent.clone()
@@ -235,9 +238,7 @@ class SequenceTable:
         """Offer a live sequence's full, fully known blocks to the prefix cache now (call it
         once their KV is written, so other requests can share them before this one ends);
         returns how many blocks were newly cached."""
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise KeyError(f"unknown sequence {seq_id!r}")
+        seq = self._get(seq_id)
         return self._offer(seq)
 
     def _offer(self, seq: _Seq) -> int:
@@ -372,8 +373,9 @@ class SequenceTable:
                 out.extend((held[positions // bs - dropped] * bs + positions % bs).tolist())
         slots = np.array(out, dtype=np.int64)
         if pad_to is not None:
-            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < slots.size:
+            if non_negative_int(pad_to, "pad_to") < slots.size:
                 raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
+            pad_to = int(pad_to)
             slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
         return Exported(slots, self._upload("slot_mapping", [slots]))
 

@@ -456,3 +456,44 @@ def test_block_regions_rows_aliased(gpu):
     assert len(c.block_regions()) == 3
     assert [c.region_index(l, s) for l in range(3) for s in "KV"] == [0, 0, 1, 1, 2, 2]
     c.release(gpu)
+
+
+# -- input strictness and all-or-nothing refcount errors ----------------------------------
+
+
+def test_free_blocks_listing_a_block_too_often_changes_nothing(cache):
+    a, b = cache.alloc_blocks(2)
+    cache.inc_ref(b)
+    cache.free_block(a)  # a is free now; listing it again is a refcount bug
+    with pytest.raises(RefCountError, match=f"dec_ref of block {a} at count 0"):
+        cache.free_blocks([a, b])
+    assert (cache.ref_count(a), cache.ref_count(b)) == (0, 2)
+    with pytest.raises(RefCountError, match=f"dec_ref of block {b} at count 0"):
+        cache.free_blocks([b, b, b])  # referenced twice, listed three times
+    assert cache.ref_count(b) == 2
+    cache.free_blocks([b, b])
+    assert cache.ref_count(b) == 0 and cache.num_free_blocks() == 8
+    cache.check_invariants()
+
+
+def test_bools_are_not_block_indices(cache, gpu):
+    for blocks in ([True, 1], [0, False]):
+        with pytest.raises(TypeError, match="block indices must be ints"):
+            cache.zero_blocks(blocks, gpu, gpu.default_stream())
+    with pytest.raises(TypeError, match="block index must be an int, got True"):
+        cache.ref_count(True)
+
+
+def test_numpy_integers_are_indices_and_counts(gpu):
+    c = make(gpu, blocks=np.int64(4))
+    try:
+        assert c.num_blocks() == 4 and type(c.num_blocks()) is int
+        assert c.alloc_blocks(np.int64(2)) == [0, 1]
+        assert c.k_cache_ptr(np.int64(1), np.int32(1)) == c.k_pool_ptr(1) + BF16_SIDE
+        assert c.dtype_for_layer(np.int8(0)) is D.BF16
+        with pytest.raises(TypeError, match="layer index must be an int, got 1.0"):
+            c.k_pool_ptr(1.0)
+        with pytest.raises(IndexError, match="layer -1 out of range for a cache of 2 layers"):
+            c.k_pool_ptr(np.int64(-1))
+    finally:
+        c.release(gpu)

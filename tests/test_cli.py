@@ -114,3 +114,11 @@ def test_python_m_pagedkv_runs():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "bf16" in result.stdout.splitlines()[2]
+
+
+def test_parse_bytes_is_exact_and_refuses_less_than_a_byte():
+    assert parse_bytes("40.3GiB") == 403 * 2**30 // 10
+    assert parse_bytes("0.5KiB") == 512
+    for bad in ("0", "0.1B", "0.0001KB"):
+        with pytest.raises(ValueError, match="less than one byte"):
+            parse_bytes(bad)

@@ -106,6 +106,15 @@ def test_boundary_clamps_to_the_list(gpu, boundary, prefix_len):
     cache.release(gpu)
 
 
+@pytest.mark.parametrize("boundary", [1.7, True, "1"])
+def test_boundary_must_be_an_int(gpu, boundary):
+    cache = make(gpu, layers=1)
+    with capture_logs() as logs, pytest.raises(TypeError, match=f"boundary_idx must be an int, got {boundary!r}"):
+        cache.debug_kv_checksum_per_layer([0, 1], boundary, gpu, gpu.default_stream(), "b")
+    assert checksum_events(logs) == []
+    cache.release(gpu)
+
+
 def test_checksum_zeroed_and_poisoned_blocks(gpu):
     cache = make(gpu, layers=1)
     cache.zero_blocks([0, 1], gpu, gpu.default_stream())

@@ -278,3 +278,33 @@ def test_released_blocks_stay_evictable_after_many_cycles(gpu):
         cache.free_blocks(prefix.match([1] * 4).blocks)
     assert len(prefix._heap) <= 2 * 4 + 65
     assert prefix.evict(4) == [0, 2, 3, 1]
+
+
+def test_match_refuses_tokens_that_are_not_ints(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    tokens = list(range(2 * BS))
+    blocks = held_by_caller(cache, tokens, prefix)
+    before = counts(cache)
+    for bad, shown in (([float(t) for t in tokens], "0.0"), ([True] + tokens[1:], "True")):
+        with pytest.raises(TypeError, match=f"token 0 must be an int, got {shown}"):
+            prefix.match(bad)
+    assert counts(cache) == before
+    assert prefix.match(np.array(tokens, dtype=np.int32)).blocks == blocks
+    cache.free_blocks(blocks)
+    cache.free_blocks(blocks)
+    prefix.close()
+    cache.release(gpu)
+
+
+def test_releasing_the_cache_closes_its_prefix_cache(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    blocks = held_by_caller(cache, list(range(BS)), prefix)
+    cache.free_blocks(blocks)
+    assert prefix.num_cached_blocks() == 1
+    cache.release(gpu)
+    assert cache.attached_prefix_cache() is None and prefix.num_cached_blocks() == 0
+    prefix.clear()  # nothing left to hand back: no error
+    with pytest.raises(KvCacheError, match="released: no block can be allocated"):
+        cache.alloc_block()

@@ -27,6 +27,7 @@ from ..backend import (
 )
 from ..errors import DeviceMemoryError
 from ..log import get_logger
+from ..validate import index_in_range, non_negative_int
 from . import nvrtc
 from .errors import CudaError, CudaUnavailable, check, driver_status_text
 from .launch import CopyArgs, FillArgs, KernelLauncher, ReduceFinalArgs, ReducePartialArgs
@@ -116,8 +117,7 @@ class CudaBackend:
     """
 
     def __init__(self, device: int = 0, kernel_cache_dir: str | None = None):
-        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-            raise ValueError(f"device must be a non-negative int, got {device!r}")
+        device = non_negative_int(device, "device")
         self._closed = True  # until construction completes
         self._id = next(_NEXT_ID)
         self._lock = threading.RLock()
@@ -513,9 +513,7 @@ class CudaBackend:
         blocks of row `region`: a partial pass over a fixed grid and one fixed-order final
         pass, so the same data gives bit-identical results; waits for the result."""
         handle = self._stream(stream)
-        if isinstance(region, bool) or not isinstance(region, (int, np.integer)) or not 0 <= region < len(regions):
-            raise IndexError(f"region {region} out of range for a table of {len(regions)} regions")
-        region = int(region)
+        region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
         nbytes = int(regions.nbytes[region])
         if nbytes % 2:
             raise ValueError(f"region {region} has an odd block size {nbytes}: not BF16")
