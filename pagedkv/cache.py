@@ -13,6 +13,7 @@ enqueued); the cache never owns the backend.
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -318,7 +319,7 @@ class PagedKvCache:
             refs[block] = 1  # undo the partial fast path; the general path below redoes it
         if not self._all_valid(blocks):
             blocks = [self._block(b) for b in blocks]  # raises naming the bad entry
-        if __debug__:
+        if __debug__ and (len(set(blocks)) != len(blocks) or 0 in _counts_of(refs, blocks)):
             for block, times in collections.Counter(blocks).items():
                 if refs[block] < times:
                     self._dec_at_zero(block)  # logs and raises before any count changes
@@ -620,6 +621,11 @@ class PagedKvCache:
         if per_block <= 0:
             raise ValueError(f"a block costs {per_block} bytes: cannot size a cache")
         return available_bytes // per_block
+
+
+def _counts_of(refs: list[int], blocks: list[int]) -> tuple[int, ...]:
+    """The counts of `blocks` (valid indices), gathered at C speed."""
+    return operator.itemgetter(*blocks)(refs) if len(blocks) > 1 else tuple(refs[b] for b in blocks)
 
 
 def _as_bytes(data) -> np.ndarray:
