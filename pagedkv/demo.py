@@ -34,7 +34,7 @@ def best_backend() -> tuple[GpuBackend, str]:
     is_available = getattr(driver, "is_available", None)
     if is_available is not None and is_available():
         gpu = driver.CudaBackend()
-        return gpu, f"CudaBackend on {gpu.device_name()}"
+        return gpu, f"CudaBackend on {gpu.device_name}"
     return HostBackend(capacity_bytes=4 << 30), "HostBackend (no CUDA GPU found: device memory emulated in host RAM)"
 
 

@@ -656,3 +656,25 @@ def test_gpu_benchmark_runs_over_the_stub(stub_env):
         "read_block into pinned (copy_d2h)",
     ):
         assert line in out, line
+
+
+def test_demo_and_plan_choose_the_cuda_backend_over_the_stub(stub_env):
+    """`pagedkv demo` and `pagedkv plan` take the CUDA path when a GPU is reported: the
+    demo's checks pass on CudaBackend and free everything; plan sizes from cuMemGetInfo."""
+    out = run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(8 << 30))
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        from pagedkv.cli import main
+        assert main(["demo", "--layers", "2", "--blocks", "16"]) == 0
+        assert STUB.stub_live_allocations() == 0 and STUB.stub_primary_refs() == 0
+        free_bytes = pagedkv.driver.CudaBackend().mem_info()[0]
+        assert main(["plan", "--layers", "2", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf16"]) == 0
+        print("FREE", free_bytes)
+    ''')
+    assert "pagedkv demo on CudaBackend on pagedkv stub device 0" in out
+    assert "demo: 9 passed, 0 failed" in out
+    free_bytes = int(out.split("FREE ")[1].split()[0])
+    assert f"memory {free_bytes / 2**30:.2f} GiB" in out
+    bf16_row = next(line for line in out.splitlines() if line.startswith("bf16 "))
+    assert bf16_row.split()[4] == f"{free_bytes // (2 * 2 * 8 * 128 * 2 * 16):,}"
