@@ -146,6 +146,7 @@ class PrefixCache:
         self._clock = 0
         self._serial = 0
         self._queries = self._queried_tokens = self._hit_tokens = self._evictions = 0
+        self._refresh_on_release = True
         cache.attach_prefix_cache(self)
 
     # -- lookup and registration -------------------------------------------------------
@@ -154,6 +155,15 @@ class PrefixCache:
         """The longest cached run of whole blocks at the start of `tokens`; takes one
         reference for the caller on each returned block (free it like your own) and
         refreshes their recency."""
+        found = self.reserve(tokens, adapter_id)
+        self.confirm(len(tokens), found)
+        return found
+
+    def reserve(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+        """`match` in two steps, for a request that may still be refused: the longest cached
+        run, with one reference taken for the caller on each block but no statistics or
+        recency recorded. Follow it with `confirm` once the request is admitted, or
+        `cancel` to hand the references back as if the lookup never happened."""
         adapter_id = adapter_id_checked(adapter_id)
         if isinstance(tokens, np.ndarray) or set(map(type, tokens)) - {int}:
             tokens = token_list(tokens)  # validates (a float or bool never matches an int key)
@@ -169,16 +179,31 @@ class PrefixCache:
                 node = child
         blocks = [n.block for n in path]
         self._cache.inc_refs(blocks)
+        return PrefixMatch(blocks, len(blocks) * bs)
+
+    def confirm(self, queried_tokens: int, found: PrefixMatch) -> None:
+        """Record a reserved match of a `queried_tokens`-token query as used: statistics,
+        and the recency of its blocks."""
         clock = self._clock
-        for n in path:
-            clock += 1
-            n.last_used = clock
+        by_block = self._by_block
+        for block in found.blocks:
+            node = by_block.get(block)
+            if node is not None:
+                clock += 1
+                node.last_used = clock
         self._clock = clock
-        hit = len(blocks) * bs
         self._queries += 1
-        self._queried_tokens += len(tokens)
-        self._hit_tokens += hit
-        return PrefixMatch(blocks, hit)
+        self._queried_tokens += queried_tokens
+        self._hit_tokens += found.num_tokens
+
+    def cancel(self, found: PrefixMatch) -> None:
+        """Hand back the references a reserved match took, without counting it as a use:
+        statistics and recency stay as they were before `reserve`."""
+        self._refresh_on_release = False
+        try:
+            self._cache.free_blocks(found.blocks)
+        finally:
+            self._refresh_on_release = True
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0) -> int:
         """Register the caller's full blocks of `tokens` (`blocks[i]` holds tokens
@@ -258,8 +283,9 @@ class PrefixCache:
         now evictable and this release counts as its latest use."""
         node = self._by_block.get(block)
         if node is not None and not node.children:
-            self._clock += 1
-            node.last_used = self._clock
+            if self._refresh_on_release:
+                self._clock += 1
+                node.last_used = self._clock
             self._push(node)
 
     def _push(self, node: _Node) -> None:

@@ -25,7 +25,7 @@ from .backend import DevicePtr, GpuBackend
 from .cache import PagedKvCache
 from .errors import KvCacheError
 from .log import get_logger
-from .prefix_cache import PrefixCache, adapter_id_checked, token_list
+from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked, token_list
 from .validate import non_negative_int
 
 _log = get_logger("sequence_table")
@@ -119,21 +119,29 @@ class SequenceTable:
                 f"prompt of {n} tokens needs {needed} blocks but the window holds {self._window}"
             )
         adapter_id = adapter_id_checked(adapter_id)
-        blocks, matched = [], 0
+        found = PrefixMatch([], 0)
         if self._prefix is not None and n > 1:
-            blocks, matched = self._prefix.match(tokens[: n - 1], adapter_id)
+            found = self._prefix.reserve(tokens[: n - 1], adapter_id)
+        blocks, matched = found
         try:
             fresh = self._cache.alloc_blocks(needed - len(blocks))
         except BaseException:
-            self._cache.free_blocks(blocks)
+            self._prefix_cancel(found)
             raise
         try:
             self._init(fresh)
         except BaseException:
-            self._cache.free_blocks(blocks + fresh)
+            self._cache.free_blocks(fresh)
+            self._prefix_cancel(found)
             raise
+        if self._prefix is not None and n > 1:
+            self._prefix.confirm(n - 1, found)
         self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         return matched
+
+    def _prefix_cancel(self, found: PrefixMatch) -> None:
+        if self._prefix is not None:
+            self._prefix.cancel(found)
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,

@@ -308,3 +308,24 @@ def test_releasing_the_cache_closes_its_prefix_cache(gpu):
     prefix.clear()  # nothing left to hand back: no error
     with pytest.raises(KvCacheError, match="released: no block can be allocated"):
         cache.alloc_block()
+
+
+def test_reserve_then_confirm_or_cancel(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    tokens = list(range(2 * BS))
+    blocks = held_by_caller(cache, tokens, prefix)
+    cache.free_blocks(blocks)
+    stats, before = prefix.stats(), counts(cache)
+    found = prefix.reserve(tokens + [5])
+    assert found == PrefixMatch(blocks, 2 * BS)
+    assert [cache.ref_count(b) for b in blocks] == [2, 2] and prefix.stats() == stats
+    prefix.cancel(found)
+    assert counts(cache) == before and prefix.stats() == stats
+    found = prefix.reserve(tokens + [5])
+    prefix.confirm(2 * BS + 1, found)
+    after = prefix.stats()
+    assert (after.queries, after.queried_tokens, after.hit_tokens) == (stats.queries + 1, stats.queried_tokens + 9, 8)
+    cache.free_blocks(found.blocks)
+    prefix.close()
+    cache.release(gpu)

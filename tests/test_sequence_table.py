@@ -252,6 +252,24 @@ def test_running_out_of_blocks_changes_nothing(gpu):
     table.check_invariants()
 
 
+def test_a_refused_add_leaves_prefix_stats_and_eviction_order_alone(gpu):
+    cache = make_cache(gpu, num_blocks=6)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    old, new = list(range(100, 104)), list(range(200, 208))
+    table.add("old", old + [1])
+    table.free("old")  # block 0 cached first: the least recently used
+    table.add("new", new + [1])
+    table.free("new")  # blocks 2, 3 cached after it
+    table.add("hold", [7] * 8)  # holds 2 blocks: 1 free, 3 cached
+    stats = prefix.stats()
+    with pytest.raises(KvCacheExhausted):
+        table.add("b", old + [9] * 16)  # matches block 0, needs 4 more: 1 free + 2 evictable
+    assert prefix.stats() == stats
+    assert prefix.evict(1) == [0]  # still the least recently used: the refusal was no use
+    table.check_invariants()
+
+
 def test_add_evicts_cached_blocks_when_short(gpu):
     cache = make_cache(gpu, num_blocks=4)
     prefix = PrefixCache(cache)
