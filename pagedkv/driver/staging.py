@@ -40,15 +40,21 @@ class StagingSlot:
         if self.pending:
             check(driver.cuEventSynchronize(self.event), "cuEventSynchronize")
             self.pending = False
+        self.free_buffers()
+        if self.event is not None:
+            check(driver.cuEventDestroy(self.event), "cuEventDestroy")
+            self.event = None
+
+    def free_buffers(self) -> None:
+        """Free the device and pinned host buffers (the slot must be idle); capacity 0."""
+        from cuda.bindings import driver
+
         if self.device:
             check(driver.cuMemFree(self.device), "cuMemFree")
             self.device = 0
         if self.host_address:
             check(driver.cuMemFreeHost(self.host_address), "cuMemFreeHost")
             self.host_address, self.host = 0, None
-        if self.event is not None:
-            check(driver.cuEventDestroy(self.event), "cuEventDestroy")
-            self.event = None
         self.capacity = 0
 
 
@@ -80,13 +86,7 @@ class StagingRing:
         from cuda.bindings import driver
 
         capacity = -(-capacity // 256) * 256
-        if slot.device:
-            check(driver.cuMemFree(slot.device), "cuMemFree")
-            slot.device = 0
-        if slot.host_address:
-            check(driver.cuMemFreeHost(slot.host_address), "cuMemFreeHost")
-            slot.host_address, slot.host = 0, None
-        slot.capacity = 0
+        slot.free_buffers()
         slot.host_address = int(check(driver.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc", f"staging {capacity} bytes"))
         slot.host = np.ctypeslib.as_array((ctypes.c_uint8 * capacity).from_address(slot.host_address))
         slot.device = int(check(driver.cuMemAlloc(capacity), "cuMemAlloc", f"staging {capacity} bytes"))
