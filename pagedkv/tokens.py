@@ -49,6 +49,14 @@ class _Side:
         n = heads * head_dim
         return cls(fmt, side_data_bytes(fmt, n), side_scale_bytes(fmt, n), side_data_bytes(fmt, block_size * n))
 
+    def data_offset(self, offset: int) -> int:
+        """Byte offset, within a block, of token `offset`'s data row."""
+        return offset * self.row_bytes
+
+    def scale_offset(self, offset: int) -> int:
+        """Byte offset, within a block, of token `offset`'s scale row (after the data section)."""
+        return self.data_section + offset * self.scale_row_bytes
+
 
 @dataclass(frozen=True)
 class _Runs:
@@ -154,11 +162,10 @@ def write_tokens(
     for side, (data, scales), block_ptr in encoded:
         for block, offset, start, stop in zip(runs.blocks, runs.offsets, runs.starts, runs.stops):
             base = block_ptr(layer, int(block))
-            gpu.copy_h2d(data[start:stop], base.offset(int(offset) * side.row_bytes))
+            gpu.copy_h2d(data[start:stop], base.offset(side.data_offset(int(offset))))
             copies += 1
             if side.scale_row_bytes:
-                scale_at = side.data_section + int(offset) * side.scale_row_bytes
-                gpu.copy_h2d(scales[start:stop], base.offset(scale_at))
+                gpu.copy_h2d(scales[start:stop], base.offset(side.scale_offset(int(offset))))
                 copies += 1
     _log.debug("kv_tokens_written", layer=layer, tokens=int(runs.order.size), runs=int(runs.starts.size), copies=copies)
 
@@ -210,9 +217,9 @@ def _read_side(block_ptr, layer: int, side: _Side, runs: _Runs, num_slots: int, 
     scales = np.empty((tokens, side.scale_row_bytes), dtype=np.uint8)
     for block, offset, start, stop in zip(runs.blocks, runs.offsets, runs.starts, runs.stops):
         base: DevicePtr = block_ptr(layer, int(block))
-        gpu.copy_d2h(base.offset(int(offset) * side.row_bytes), data[start:stop])
+        gpu.copy_d2h(base.offset(side.data_offset(int(offset))), data[start:stop])
         if side.scale_row_bytes:
-            gpu.copy_d2h(base.offset(side.data_section + int(offset) * side.scale_row_bytes), scales[start:stop])
+            gpu.copy_d2h(base.offset(side.scale_offset(int(offset))), scales[start:stop])
     raw = data.tobytes() + scales.tobytes()
     out[runs.order] = decode(raw, side.fmt, tokens, *dims, scale=scale, unrotate=unrotate)
     return out
