@@ -1,16 +1,19 @@
 """CudaBackend against a host-memory libcuda.so.1 (tests/stub_libcuda/stub_libcuda.c).
 
-What this proves: the Python side of the driver layer. Every CudaBackend call goes
-through cuda-bindings into a real shared library that checks handles, contexts and
-address ranges, records each kernel launch's parameters byte for byte (asserted here
-field by field), emulates the four kernels on the host, and returns any status we
-inject, so each error path and its CudaError can be checked. What it does NOT prove: the
-GPU. The kernels' device code, real asynchrony and bandwidth are covered only by the
-`cuda`-marked tests (test_cuda_gpu.py) on a machine with an NVIDIA GPU.
+What this proves: the Python side of the driver layer, and the kernels' code run on
+the CPU. Every CudaBackend call goes through cuda-bindings into a real shared library
+that checks handles, contexts and address ranges, records each kernel launch's
+parameters byte for byte (asserted here field by field), queues async work per stream
+until the host waits for it, runs the real kernel sources through the kernel harness
+(tests/kernel_harness: one fiber per CUDA thread, CTAs one at a time), and returns any
+status we inject, so each error path and its CudaError can be checked. What it does NOT
+prove: the GPU's memory model, concurrency between CTAs, timing and bandwidth; those are
+covered only by the `cuda`-marked tests (test_cuda_gpu.py) on a machine with an NVIDIA
+GPU.
 
-The stub is built with the machine's C compiler into a temporary directory and loaded
-in a subprocess (LD_LIBRARY_PATH) before any driver call, so this pytest process never
-loads a libcuda.
+The stub and the kernel libraries are built with the machine's compilers into a
+temporary directory once per session and loaded in a subprocess (LD_LIBRARY_PATH) before
+any driver call, so this pytest process never loads a libcuda.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from kernel_harness import build as harness_build
 
 STUB_SOURCE = Path(__file__).parent / "stub_libcuda" / "stub_libcuda.c"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -65,22 +70,42 @@ def int64_at(address, n):
 '''
 
 
-@pytest.fixture(scope="session")
-def stub_env(tmp_path_factory):
-    """Environment for a subprocess that loads the stub libcuda (built once per session)."""
+def build_stub(out: Path) -> Path:
+    """Compile the stub into `out`/libcuda.so.1 (skips the test when there is no C compiler)."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler on this machine to build the libcuda stub")
-    out = tmp_path_factory.mktemp("stub_libcuda")
     lib = out / "libcuda.so.1"
     build = subprocess.run(
-        [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wl,-soname,libcuda.so.1",
-         "-o", str(lib), str(STUB_SOURCE), "-lpthread"],
+        [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-Wl,-soname,libcuda.so.1",
+         "-o", str(lib), str(STUB_SOURCE), "-lpthread", "-ldl"],
         capture_output=True, text=True,
     )
     if build.returncode != 0:
         pytest.fail(f"building the libcuda stub with {cc} failed:\n{build.stderr}")
+    return lib
+
+
+def build_harness(sources, out: Path) -> list[Path]:
+    """The kernel harness libraries of `sources` in `out` (skips when there is no g++)."""
+    if harness_build.compiler() is None:
+        pytest.skip("no C++ compiler on this machine to build the kernel harness")
+    return harness_build.build_kernel_libraries(sources, out)
+
+
+@pytest.fixture(scope="session")
+def stub_env(tmp_path_factory):
+    """Environment for a subprocess that loads the stub libcuda with the kernel harness
+    libraries of pagedkv/nvrtc_src (all built once per session)."""
+    out = tmp_path_factory.mktemp("stub_libcuda")
+    build_stub(out)
+    from pagedkv.driver import nvrtc
+
+    libs = build_harness(nvrtc.kernel_sources(), out / "kernels")
     env = dict(os.environ)
+    env[harness_build.HARNESS_ENV] = os.pathsep.join(str(p) for p in libs)
+    env.pop(harness_build.ORDER_ENV, None)
+    env.pop(harness_build.SMS_ENV, None)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(out), env.get("LD_LIBRARY_PATH")]))
     env["PAGEDKV_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel_cache"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -302,12 +327,16 @@ def test_fill_launch_packs_every_field(stub_env):
             assert rec.stream == stream
             assert u64(p[0]) == int(regions.device_table)
             assert i32(p[1]) == 3
+            assert STUB.stub_pending_work() >= 2, "the index upload and the launch wait in the stream's queue"
+            gpu.synchronize(stream)  # the indices reach the staging buffer when the stream runs
+            assert STUB.stub_pending_work() == 0
             assert int32_at(u64(p[2]), 3) == blocks
             assert i32(p[3]) == 3
             assert u32(p[4]) == 0xAB
             gpu.fill_blocks(regions, [1, 2, 3, 4, 6], 0, 0)
             rec, p = launch(-1)
             assert list(rec.grid) == [min(3 * 5, 2 * 16), 1, 1] and rec.stream == 0
+            gpu.synchronize(0)
             assert int32_at(u64(p[2]), 5) == [1, 2, 3, 4, 6] and i32(p[3]) == 5 and u32(p[4]) == 0
             assert calls("cuMemcpyHtoD") == uploads, "the region table is uploaded once, not per launch"
             hregions = host.create_block_regions(host_rows)
@@ -348,6 +377,7 @@ def test_copy_launch_packs_every_field(stub_env):
             gpu.copy_blocks(regions, src, dst, 0)
             host.copy_blocks(hregions, src, dst, 0)
             rec, p = launch(-1)
+            gpu.synchronize(0)
             assert rec.name == b"pagedkv_copy_blocks"
             assert list(rec.grid) == [6, 1, 1] and list(rec.block) == [256, 1, 1] and rec.stream == 0
             assert u64(p[0]) == int(regions.device_table) and i32(p[1]) == 2
