@@ -66,11 +66,18 @@ def _run(cmd: Sequence[str]) -> None:
         raise HarnessBuildError(f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
 
 
+_RUNTIMES: dict[str, Path] = {}
+
+
 def build_runtime(out_dir: Path, cxx: str) -> Path:
-    """runtime.o, compiled once per output directory."""
+    """runtime.o in `out_dir`, compiled once per process and compiler (later calls reuse
+    the first object while it exists)."""
+    obj = _RUNTIMES.get(cxx)
+    if obj is not None and obj.exists():
+        return obj
     obj = out_dir / "runtime.o"
-    if not obj.exists():
-        _run([cxx, *CXX_FLAGS, "-I", str(HERE), "-c", "-o", str(obj), str(HERE / "runtime.cc")])
+    _run([cxx, *CXX_FLAGS, "-I", str(HERE), "-c", "-o", str(obj), str(HERE / "runtime.cc")])
+    _RUNTIMES[cxx] = obj
     return obj
 
 
