@@ -1,49 +1,53 @@
-"""The `pagedkv` command line (`python -m pagedkv`): plan, demo and the tools of later modules.
+"""The `pagedkv` command line (`python -m pagedkv`, or the `pagedkv` script): plan, demo, quality.
 
-Each subcommand lives in its own module exposing `register(subparsers)`, which adds its
-parser and sets `func(args) -> int` (the exit status).
+Each subcommand lives in its own module with `register(subparsers)`, which adds its parser
+and sets `func(args) -> int` (the exit status). Results go to stdout, pagedkv's events to
+stderr (`--log-level`, default warning). A bad argument is one line on stderr and exit
+status 2; a closed stdout (`pagedkv demo | head -1`) ends the command quietly.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import logging
 import sys
 
-import structlog
-
-SUBCOMMAND_MODULES = (
-    "pagedkv.plan",
-    "pagedkv.demo",
-    "pagedkv.quality",
-)
+from . import demo, plan, quality
+from .args import USAGE_ERROR, Parser, UsageError, say_error
+from .console import QuietClosedPipe, log_to_stderr
+from ..log import LEVELS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand present in this installation."""
-    parser = argparse.ArgumentParser(prog="pagedkv", description="A paged KV cache for LLM engines.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="lowest structlog level printed (default info)")
+def build_parser() -> Parser:
+    """The argument parser with every subcommand."""
+    parser = Parser(prog="pagedkv", description="A paged KV cache for LLM engines.")
+    parser.add_argument("--log-level", default="warning", choices=list(LEVELS),
+                        help="lowest level of pagedkv events printed on stderr (default warning)")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
-            continue
+    for module in (plan, demo, quality):
         module.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` and run the chosen subcommand; returns its exit status."""
-    args = build_parser().parse_args(argv)
-    if not structlog.is_configured():
-        level = getattr(logging, args.log_level.upper())
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
-    return int(args.func(args) or 0)
+    """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; returns its exit
+    status (2 for a bad argument, after one line on stderr)."""
+    stdout = sys.stdout
+    guard = QuietClosedPipe(stdout)
+    sys.stdout = guard
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as stop:  # argparse: --help (0) or a usage error (2, already printed)
+            return stop.code if isinstance(stop.code, int) else USAGE_ERROR
+        log_to_stderr(args.log_level)
+        try:
+            status = int(args.func(args) or 0)
+        except UsageError as err:
+            say_error(args.command, str(err))
+            status = USAGE_ERROR
+        guard.flush()
+        return status
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":
