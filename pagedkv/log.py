@@ -84,14 +84,17 @@ class PagedKvLogger:
     """A pagedkv module's logger: `debug/info/warning/error/exception/critical(event, **fields)`
     send one structlog event, routed as the module docstring says."""
 
-    __slots__ = ("_name",)
+    __slots__ = ("_name", "_application")
 
     def __init__(self, name: str):
         self._name = name
+        # structlog's lazy proxy resolves the configuration at each event, so it follows an
+        # application that configures structlog after this logger was made.
+        self._application = structlog.get_logger("pagedkv", component=name)
 
     def _target(self):
         if structlog.is_configured():
-            return structlog.get_logger("pagedkv", component=self._name)
+            return self._application
         return _own_logger(self._name)
 
     def debug(self, event: str, **fields: Any) -> None:

@@ -256,3 +256,13 @@ def test_help_exits_0_and_no_subcommand_exits_2(capsys):
     assert main([]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("pagedkv: ") and err.count("\n") == 1
+
+
+def test_main_leaves_structlog_as_it_found_it(capsys):
+    structlog.reset_defaults()
+    assert main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--memory", "1MiB"]) == 0
+    assert not structlog.is_configured()
+    structlog.configure(processors=[structlog.processors.JSONRenderer()])
+    assert main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--memory", "1MiB"]) == 0
+    assert structlog.is_configured()
+    assert isinstance(structlog.get_config()["processors"][0], structlog.processors.JSONRenderer)

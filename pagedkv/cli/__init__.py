@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 
+import structlog
+
 from . import demo, plan, quality
 from .args import USAGE_ERROR, Parser, UsageError, say_error
 from .console import QuietClosedPipe, log_to_stderr
@@ -29,16 +31,18 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; returns its exit
-    status (2 for a bad argument, after one line on stderr)."""
+    status (2 for a bad argument, after one line on stderr). Unless the process configured
+    structlog already, events go to stderr for the run and structlog is unconfigured after."""
     stdout = sys.stdout
     guard = QuietClosedPipe(stdout)
     sys.stdout = guard
+    configured = False
     try:
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as stop:  # argparse: --help (0) or a usage error (2, already printed)
             return stop.code if isinstance(stop.code, int) else USAGE_ERROR
-        log_to_stderr(args.log_level)
+        configured = log_to_stderr(args.log_level)
         try:
             status = int(args.func(args) or 0)
         except UsageError as err:
@@ -48,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return status
     finally:
         sys.stdout = stdout
+        if configured:  # leave an embedding process as it was
+            structlog.reset_defaults()
 
 
 if __name__ == "__main__":

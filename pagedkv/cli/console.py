@@ -55,14 +55,16 @@ class QuietClosedPipe:
             os.close(devnull)
 
 
-def log_to_stderr(level: str) -> None:
+def log_to_stderr(level: str) -> bool:
     """Configure structlog, as an application does, to render every event from `level` up
-    on stderr; an application that configured structlog already keeps its configuration."""
+    on stderr, and return True; an application that configured structlog already keeps its
+    configuration (False)."""
     if structlog.is_configured():
-        return
+        return False
     structlog.configure(
         processors=list(STDERR_PROCESSORS),
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         logger_factory=lambda *args: StderrLogger(),
         cache_logger_on_first_use=False,
     )
+    return True
