@@ -200,11 +200,14 @@ def test_parse_bytes_is_exact_and_refuses_less_than_a_byte():
     (["--blocks", "-5"], "--blocks: must be a positive integer, got '-5'"),
     (["--layers", "1000"], "--layers 1000 --blocks 128 need 7.81 GiB for the demo cache but the backend has 4.00 GiB free"),
 ])
-def test_demo_bad_arguments_are_one_line_on_stderr_and_exit_2(capsys, bad, named):
+def test_demo_bad_arguments_are_one_line_on_stderr_and_exit_2(monkeypatch, capsys, bad, named):
+    host = HostBackend(capacity_bytes=4 << 30)
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (host, "HostBackend"))
     assert main(["demo", *bad]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("pagedkv demo: ") and named in err and err.count("\n") == 1, err
+    assert host.live_allocations() == 0
 
 
 def test_demo_skips_the_checks_that_need_a_failed_one(capsys):

@@ -33,8 +33,11 @@ def _command_line_section() -> str:
     return text[text.index("## Command line"):text.index("## Tests")]
 
 
-def test_readme_command_line_examples_do_what_it_says(capsys):
-    from pagedkv.cli import main
+def test_readme_command_line_examples_do_what_it_says(monkeypatch, capsys):
+    from pagedkv import HostBackend
+    from pagedkv.cli import demo, main
+
+    monkeypatch.setattr(demo, "best_backend", lambda: (HostBackend(capacity_bytes=4 << 30), "HostBackend"))
 
     section = _command_line_section()
     (plan,) = re.findall(r"`pagedkv (plan [^`]*)`", section)
