@@ -269,3 +269,32 @@ def test_main_leaves_structlog_as_it_found_it(capsys):
     assert main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--memory", "1MiB"]) == 0
     assert structlog.is_configured()
     assert isinstance(structlog.get_config()["processors"][0], structlog.processors.JSONRenderer)
+
+
+class _OptimisticBackend(HostBackend):
+    """A HostBackend that reports more free memory than it has: the allocation itself fails."""
+
+    def mem_info(self):
+        return 1 << 40, 1 << 40
+
+
+def test_demo_cache_that_fails_to_allocate_is_a_usage_error_and_frees_what_it_took(monkeypatch, capsys):
+    host = _OptimisticBackend(capacity_bytes=8 << 20)
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (host, "HostBackend"))
+    assert main(["demo", "--layers", "4", "--blocks", "64"]) == 2  # 4 x 64 x 2 sides x 32 KiB = 16 MiB
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("pagedkv demo: --layers 4 --blocks 64: HostBackend out of memory") and err.count("\n") == 1, err
+    assert host.live_allocations() == 0
+
+
+def test_demo_reports_a_later_cache_that_does_not_fit_as_a_failed_check(monkeypatch, capsys):
+    host = HostBackend(capacity_bytes=8 << 20)  # the main cache (4 x 32 x 2 x 32 KiB) takes all of it
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (host, "HostBackend"))
+    assert main(["demo", "--layers", "4", "--blocks", "32"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "  [FAIL] prefix reuse: DeviceOutOfMemory: HostBackend out of memory: asked 524288 bytes (0.00 GiB), " \
+           "0 bytes (0.00 GiB) free of 8388608" in lines
+    assert "  [skip] fork and copy-on-write: needs 'prefix reuse', which did not pass" in lines
+    assert "  [ok]   nothing leaked: HostBackend reports 0 live allocations" in lines
+    assert host.live_allocations() == 0

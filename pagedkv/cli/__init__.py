@@ -54,7 +54,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = stdout
         if configured:  # leave an embedding process as it was
             structlog.reset_defaults()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

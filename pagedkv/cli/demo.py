@@ -179,9 +179,7 @@ def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Ch
 def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
     """Prefix reuse and copy-on-write through SequenceTable and PrefixCache, with real KV."""
     config = KvCacheConfig(block_size=16, num_kv_heads=4, head_dim=64, num_layers=2, dtype="bf16")
-    cache = PagedKvCache(config, 64, gpu)
-    prefix = PrefixCache(cache)
-    table = SequenceTable(cache, prefix, gpu, stream)
+    cache = prefix = table = None  # built by the first check, so a failure to build is reported
     rng = np.random.default_rng(2)
     prompt = list(range(1000, 1072))  # 4.5 blocks
 
@@ -199,6 +197,10 @@ def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
         return np.array([blocks[p // 16] * 16 + p % 16 for p in range(start, stop)], dtype=np.int64)
 
     def reuse() -> str:
+        nonlocal cache, prefix, table
+        cache = PagedKvCache(config, 64, gpu)
+        prefix = PrefixCache(cache)
+        table = SequenceTable(cache, prefix, gpu, stream)
         matched_a = table.add("a", prompt)
         _expect(matched_a == 0, f"seq a matched {matched_a} tokens of an empty prefix cache")
         first = write_step("a")
@@ -236,9 +238,12 @@ def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
         checks.run("prefix reuse", reuse)
         checks.run("fork and copy-on-write", copy_on_write, needs=("prefix reuse",))
     finally:
-        table.release(gpu)
-        prefix.close()
-        cache.release(gpu)
+        if table is not None:
+            table.release(gpu)
+        if prefix is not None:
+            prefix.close()
+        if cache is not None:
+            cache.release(gpu)
 
 
 def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
