@@ -4,7 +4,6 @@ pagedkv's events rendered on stderr."""
 from __future__ import annotations
 
 import os
-import sys
 
 import structlog
 
