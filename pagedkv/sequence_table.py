@@ -26,7 +26,9 @@ from .cache import PagedKvCache
 from .errors import KvCacheError
 from .log import get_logger
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked, token_list
+from .streams import stream_handle
 from .validate import non_negative_int
+from .views import DeviceArrayPtr, export_dlpack, export_dlpack_device
 
 _log = get_logger("sequence_table")
 
@@ -49,6 +51,9 @@ class Exported(NamedTuple):
 
     host: object
     device: object
+
+    __dlpack__ = export_dlpack
+    __dlpack_device__ = export_dlpack_device
 
 
 class _Seq:
@@ -94,6 +99,7 @@ class SequenceTable:
         self._prefix = prefix_cache
         self._gpu = gpu
         self._stream = stream
+        stream_handle(stream)  # an int or a __cuda_stream__ object; the object is kept for the backend
         self._bs = cache.block_size()
         self._window = cache.config().cache_blocks_per_seq
         self._seqs: dict[Hashable, _Seq] = {}
@@ -401,7 +407,7 @@ class SequenceTable:
             staging[offset : offset + arr.nbytes] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
         base = self._device_buffer(kind, staging.nbytes)
         self._gpu.copy_h2d(staging, base)
-        ptrs = [base.offset(o) for o in offsets]
+        ptrs = [DeviceArrayPtr(base.offset(o), arr, self._gpu, self._stream) for arr, o in zip(arrays, offsets)]
         return ptrs[0] if len(ptrs) == 1 else ptrs
 
     def _device_buffer(self, kind: str, nbytes: int) -> DevicePtr:
