@@ -376,6 +376,14 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     return SUCCESS;
 }
 
+/* Stream order is program order on the host, so a wait has nothing to wait for. */
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+    ENTER("cuStreamWaitEvent");
+    NEED_CTX();
+    if (find_handle(events, nevents, e) < 0 || !stream_ok(s)) return INVALID_HANDLE;
+    return flags > 1 ? INVALID_VALUE : SUCCESS;
+}
+
 CUresult cuEventSynchronize(CUevent e) {
     ENTER("cuEventSynchronize");
     NEED_CTX();
@@ -658,7 +666,7 @@ static const struct { const char *name; void *fn; } ENTRY_POINTS[] = {
     EP(cuDevicePrimaryCtxRetain), EP(cuDevicePrimaryCtxRelease), EP(cuCtxSetCurrent),
     EP(cuCtxGetCurrent), EP(cuCtxSynchronize), EP(cuMemAlloc), EP(cuMemFree), EP(cuMemGetInfo),
     EP(cuMemHostAlloc), EP(cuMemFreeHost), EP(cuStreamCreate), EP(cuStreamDestroy),
-    EP(cuStreamSynchronize), EP(cuEventCreate), EP(cuEventDestroy), EP(cuEventRecord),
+    EP(cuStreamSynchronize), EP(cuEventCreate), EP(cuEventDestroy), EP(cuEventRecord), EP(cuStreamWaitEvent),
     EP(cuEventSynchronize), EP(cuEventElapsedTime), EP(cuMemsetD8Async), EP(cuMemcpyHtoD),
     EP(cuMemcpyDtoH), EP(cuMemcpyDtoD), EP(cuMemcpyHtoDAsync), EP(cuMemcpyDtoHAsync),
     EP(cuMemcpyDtoDAsync), EP(cuModuleLoadData), EP(cuModuleUnload), EP(cuModuleGetFunction),
