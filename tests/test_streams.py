@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, SequenceTable
+from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable
 from pagedkv.streams import is_stream_object, stream_handle
 
 

@@ -183,8 +183,9 @@ def test_last_page_len_follows_flashinfer_and_an_empty_sequence_gets_zero(host):
     assert page.last_page_len.tolist() == [1, 4, 1, 4, 0]
     assert np.diff(page.indptr).tolist() == [1, 1, 2, 2, 0]
     for i, n in enumerate(lengths.values()):
-        pages = page.indptr[i + 1] - page.indptr[i]
-        assert (pages - 1) * 4 + page.last_page_len[i] == n if n else page.last_page_len[i] == 0
+        pages = int(page.indptr[i + 1] - page.indptr[i])
+        held = (pages - 1) * 4 + int(page.last_page_len[i]) if pages else 0
+        assert held == n
     table.append("n4", 1)
     assert table.page_table(["n4"]).host.last_page_len.tolist() == [1]
     cache.release(host)
