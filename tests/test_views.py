@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pagedkv import KvCacheConfig, KvCacheError, PagedKvCache, SequenceTable
+from pagedkv import DeviceMemoryError, KvCacheConfig, KvCacheError, PagedKvCache, SequenceTable
 from pagedkv.codecs import encode
 from test_driver_stub import run_on_stub, stub_env  # noqa: F401 - the stub fixture
 
@@ -173,6 +173,20 @@ def test_every_table_export_is_zero_copy_both_ways(host, with_backend):
     cache.release(host)
 
 
+def test_a_stale_device_export_raises_instead_of_reading_freed_memory(host):
+    cache = _cache(host, "bf16", num_blocks=600)
+    table = SequenceTable(cache, gpu=host)
+    table.add("a", list(range(5)))
+    old = table.block_table(["a"])
+    assert np.from_dlpack(old).tolist() == [[0, 1]]
+    table.add("long", list(range(4 * 590)))
+    table.block_table(["a", "long"])  # 2 x 590 int32 outgrow the 4096-byte buffer: it moves
+    with pytest.raises(DeviceMemoryError, match="not inside any live allocation"):
+        np.from_dlpack(old)
+    table.release()
+    cache.release(host)
+
+
 def test_last_page_len_follows_flashinfer_and_an_empty_sequence_gets_zero(host):
     cache = _cache(host, "bf16", num_blocks=16)
     table = SequenceTable(cache, gpu=None)
@@ -252,9 +266,18 @@ def test_cuda_views_capsules_cai_and_stream_waits_over_the_stub(stub_env):  # no
             DLTensorView(cache.k_view(0, gpu, stream=ours).__dlpack__(stream=int(theirs)))
             assert calls("cuStreamWaitEvent") == before[0] + 2 and calls("cuEventRecord") == before[1] + 2
             assert STUB.stub_live_events() == before[2]  # each event destroyed once the wait is enqueued
+            STUB.stub_fail_next(b"cuStreamWaitEvent", 400)
+            try:
+                cache.k_view(0, gpu, stream=ours).__dlpack__(stream=int(theirs))
+            except Exception as err:
+                assert "cuStreamWaitEvent" in str(err) and "CUDA_ERROR_INVALID_HANDLE" in str(err), err
+            else:
+                raise AssertionError("a failed wait went unreported")
+            assert STUB.stub_live_events() == before[2]  # the failed wait's event was destroyed too
+            assert calls("cuStreamWaitEvent") == before[0] + 3
             DLTensorView(cache.k_view(0, gpu, stream=0).__dlpack__())  # legacy on both sides: nothing to wait for
             DLTensorView(cache.k_view(0, gpu, stream=ours).__dlpack__(stream=-1))
-            assert calls("cuStreamWaitEvent") == before[0] + 2
+            assert calls("cuStreamWaitEvent") == before[0] + 3
             try:
                 cache.k_view(0, gpu).__dlpack__(stream=0)
             except ValueError as err:
