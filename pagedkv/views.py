@@ -182,6 +182,7 @@ class PoolView(_MemoryExport):
             side = "K"
         self._cache, self._side, self._gpu, self._stream = cache, side, gpu, stream
         self._readonly, self._part = readonly, part
+        self._geometry: _Layout | None = None  # fixed for the cache's life
         k_fmt, v_fmt = config.dtype_for_layer(self._layer_index).kv_pair()
         self._fmt = k_fmt if side == "K" else v_fmt
         if part == "scale" and side_scale_bytes(self._fmt, 16) == 0:
@@ -226,6 +227,11 @@ class PoolView(_MemoryExport):
 
     def _layout(self) -> _Layout:
         self._address()  # raises KvCacheError once the cache is released
+        if self._geometry is None:
+            self._geometry = self._compute_layout()
+        return self._geometry
+
+    def _compute_layout(self) -> _Layout:
         config = self._cache.config()
         heads, head_dim = config.dims_for_layer(self._layer_index)
         blocks, block_size, stride = self._cache.num_blocks(), config.block_size, self._stride()
