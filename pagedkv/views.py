@@ -64,6 +64,14 @@ class _Layout:
     strides: tuple[int, ...]
 
 
+def _strided(memory: np.ndarray, layout: _Layout, writeable: bool) -> np.ndarray:
+    """`layout` over the uint8 array `memory` (no copy)."""
+    dtype = NUMPY_DTYPES[layout.dtype]
+    typed = memory[layout.offset:]
+    typed = typed[: typed.size - typed.size % dtype.itemsize].view(dtype)
+    return np.lib.stride_tricks.as_strided(typed, shape=layout.shape, strides=layout.strides, writeable=writeable)
+
+
 class _MemoryExport(DlpackProducer):
     """What pool views and device table exports share: memory at `_address()` of `_extent()`
     bytes on `gpu`, produced on `stream`, laid out by `_layout()`."""
@@ -101,10 +109,7 @@ class _MemoryExport(DlpackProducer):
         layout, base = self._layout(), self._address()
         raw = np.empty(self._extent(), dtype=np.uint8)
         self._gpu.copy_d2h(base, raw)
-        typed = raw[layout.offset:]
-        typed = typed[: typed.size - typed.size % NUMPY_DTYPES[layout.dtype].itemsize].view(NUMPY_DTYPES[layout.dtype])
-        view = np.lib.stride_tricks.as_strided(typed, shape=layout.shape, strides=layout.strides, writeable=False)
-        return np.array(view), layout.dtype
+        return np.array(_strided(raw, layout, writeable=False)), layout.dtype
 
     def _consumer_waits(self, handle: int) -> None:
         self._gpu.make_stream_wait(handle, self._stream)
@@ -115,13 +120,7 @@ class _MemoryExport(DlpackProducer):
         if not isinstance(self._gpu, HostBackend):
             raise TypeError("host_array() needs a HostBackend; use DLPack (e.g. torch.from_dlpack) on CUDA")
         layout = self._layout()
-        memory = self._gpu.view(self._address(), self._extent())
-        dtype = NUMPY_DTYPES[layout.dtype]
-        typed = memory[layout.offset:]
-        typed = typed[: typed.size - typed.size % dtype.itemsize].view(dtype)
-        return np.lib.stride_tricks.as_strided(
-            typed, shape=layout.shape, strides=layout.strides, writeable=not self._readonly
-        )
+        return _strided(self._gpu.view(self._address(), self._extent()), layout, writeable=not self._readonly)
 
     @property
     def shape(self) -> tuple[int, ...]:
