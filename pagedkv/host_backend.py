@@ -25,6 +25,7 @@ from .backend import (
     host_bytes,
 )
 from .errors import DeviceMemoryError, DeviceOutOfMemory
+from .streams import stream_handle
 from .validate import index_in_range, positive_int
 
 ALIGNMENT = 256
@@ -135,8 +136,9 @@ class HostBackend:
         self._streams.discard(stream)
 
     def _check_stream(self, stream: int) -> None:
-        if stream not in self._streams:
-            raise ValueError(f"unknown stream {stream!r}")
+        handle = stream_handle(stream)
+        if handle not in self._streams:
+            raise ValueError(f"unknown stream {handle!r}")
 
     def synchronize(self, stream: int) -> None:
         """Nothing to wait for (work runs at once); validates the handle."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -13,12 +15,20 @@ def _blocks(lang: str) -> list[str]:
 
 
 def test_readme_example_runs():
-    (example,) = _blocks("python")
+    example = _blocks("python")[0]
     namespace: dict = {}
     exec(compile(example, str(README), "exec"), namespace)
     cache, gpu = namespace["cache"], namespace["gpu"]
     assert cache.num_blocks() == 0  # released
     assert gpu.live_allocations() == 0
+
+
+def test_readme_torch_example_runs():
+    pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[interop]'")
+    (example,) = _blocks("python")[1:]
+    namespace: dict = {}
+    exec(compile(example, str(README), "exec"), namespace)
+    assert namespace["cache"].num_blocks() == 0 and namespace["gpu"].live_allocations() == 0
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -27,6 +27,7 @@ from ..backend import (
 )
 from ..errors import DeviceMemoryError
 from ..log import get_logger
+from ..streams import is_stream_object, stream_handle
 from ..validate import index_in_range, non_negative_int
 from . import nvrtc
 from .errors import CudaError, CudaUnavailable, check, driver_status_text
@@ -44,6 +45,7 @@ REDUCE_CTAS_PER_SM = 8
 """The reduction's first pass is capped at this many CTAs per SM."""
 
 _INT32_MAX = 2**31 - 1
+_EVENT_DISABLE_TIMING = 2
 _CUDA_ERROR_NO_DEVICE = 100
 _ATTR_SM_COUNT = 16
 _ATTR_CC_MAJOR = 75
@@ -349,12 +351,47 @@ class CudaBackend:
         check(driver.cuStreamDestroy(handle), "cuStreamDestroy")
 
     def _stream(self, stream: int) -> Any:
+        if is_stream_object(stream):  # another library's stream, named by __cuda_stream__
+            return self._any_stream(stream_handle(stream))
         if stream == 0:
             return 0
         handle = self._streams.get(stream)
         if handle is None:
             raise ValueError(f"unknown stream {stream!r}")
         return handle
+
+    def _any_stream(self, handle: int) -> Any:
+        """The driver handle of stream `handle`: one of ours, 0, or any other CUstream value
+        of this context (1 legacy, 2 per-thread, or another library's stream)."""
+        if handle == 0:
+            return 0
+        with self._lock:
+            ours = self._streams.get(handle)
+        if ours is not None:
+            return ours
+        from cuda.bindings import driver
+
+        return driver.CUstream(handle)
+
+    def make_stream_wait(self, waiting: Any, on: Any) -> None:
+        """Make stream `waiting` (an int handle of any stream of this context, another
+        library's included, or a `__cuda_stream__` object) wait for the work enqueued so far
+        on stream `on` (one of this backend's): `cuEventRecord` on `on`, `cuStreamWaitEvent`
+        on `waiting`, then the event is destroyed (the wait stays). Nothing is enqueued when
+        both are the same stream (0 and 1 both name the legacy default stream)."""
+        producer = self._stream(on)
+        consumer = self._any_stream(stream_handle(waiting))
+        p, c = int(producer), int(consumer)
+        if p == c or {p, c} <= {0, 1}:
+            return
+        driver = self._enter()
+        event = check(driver.cuEventCreate(_EVENT_DISABLE_TIMING), "cuEventCreate")
+        try:
+            check(driver.cuEventRecord(event, producer), "cuEventRecord")
+            check(driver.cuStreamWaitEvent(consumer, event, 0), "cuStreamWaitEvent")
+        finally:
+            destroyed = driver.cuEventDestroy(event)
+        check(destroyed, "cuEventDestroy")
 
     def synchronize(self, stream: int) -> None:
         """Wait for the stream's work (`cuStreamSynchronize`)."""
