@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv import DeviceMemoryError, KvCacheConfig, KvCacheError, PagedKvCache, SequenceTable
 from pagedkv.codecs import encode
-from test_driver_stub import run_on_stub, stub_env  # noqa: F401 - the stub fixture
+from kernel_harness.stub import run_on_stub
 
 RNG = np.random.default_rng(11)
 
@@ -208,7 +208,7 @@ def test_last_page_len_follows_flashinfer_and_an_empty_sequence_gets_zero(host):
 # -- CUDA, over the libcuda stub ----------------------------------------------------------
 
 
-def test_cuda_views_capsules_cai_and_stream_waits_over_the_stub(stub_env):  # noqa: F811
+def test_cuda_views_capsules_cai_and_stream_waits_over_the_stub(stub_env):
     run_on_stub(stub_env, '''
         from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable, dlpack
         from pagedkv.driver import CudaBackend
