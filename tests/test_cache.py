@@ -150,9 +150,11 @@ def test_free_blocks_checks_every_index_first(cache):
     assert [cache.ref_count(b) for b in table] == [1, 1, 1]
 
 
-def test_return_evicted_block(cache):
+def test_return_evicted_block(cache, held_set):
+    cache.attach_prefix_cache(held_set)
     b = cache.alloc_block()
     cache.inc_ref(b)  # the prefix cache's own reference
+    held_set.held.add(b)
     cache.return_evicted_block(b)
     assert cache.ref_count(b) == 1 and cache.num_free_blocks() == 7
     cache.return_evicted_block(b)
@@ -161,6 +163,7 @@ def test_return_evicted_block(cache):
         assert cache.return_evicted_block(b) is None  # at zero: a warning, nothing else
     assert [(e["event"], e["log_level"], e["block"]) for e in logs] == [("kv_return_evicted_at_zero", "warning", b)]
     assert cache.num_free_blocks() == 8
+    held_set.held.discard(b)
     cache.check_invariants()
     assert cache.alloc_blocks(8) == list(range(8))
 
@@ -289,7 +292,9 @@ def test_geometry_asymmetric_and_mixed(gpu):
 
 
 def fill_random(cache, gpu, rng):
-    """Write random bytes to every block of every layer; return {(layer, block): (k, v)}."""
+    """Allocate every free block (only held blocks may be written), write random bytes to
+    every block of every layer; return {(layer, block): (k, v)}."""
+    cache.alloc_blocks(cache.num_free_blocks())
     contents = {}
     for layer in range(cache.num_layers()):
         for b in range(cache.num_blocks()):
@@ -478,7 +483,7 @@ def test_free_blocks_listing_a_block_too_often_changes_nothing(cache):
 
 def test_bools_are_not_block_indices(cache, gpu):
     for blocks in ([True, 1], [0, False]):
-        with pytest.raises(TypeError, match="block indices must be ints"):
+        with pytest.raises(TypeError, match="block index must be an int, got (True|False)"):
             cache.zero_blocks(blocks, gpu, gpu.default_stream())
     with pytest.raises(TypeError, match="block index must be an int, got True"):
         cache.ref_count(True)
