@@ -104,10 +104,10 @@ class BlockAllocator:
     def alloc_block(self) -> int:
         """Pop a free block and give it count 1. With an empty free list the reclaimer evicts
         one block first; KvCacheExhausted when none is free or evictable."""
-        try:
-            block = self._free.pop()
-        except IndexError:
+        free = self._free
+        if not free:
             return self._alloc_after_reclaim()
+        block = free.pop()
         self._refs[block] = 1
         if self._tracer is not None:
             self._tracer.record(block, "alloc", 1)

@@ -7,7 +7,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from pagedkv import HostBackend, reload_flags
+from pagedkv import HostBackend
+from pagedkv.env import reload_flags
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]

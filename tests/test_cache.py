@@ -7,6 +7,7 @@ from structlog.testing import capture_logs
 from pagedkv import (
     KvCacheConfig,
     KvCacheDtype as D,
+    KvCacheError,
     KvCacheExhausted,
     PagedKvCache,
     RefCountError,
@@ -502,3 +503,36 @@ def test_numpy_integers_are_indices_and_counts(gpu):
             c.k_pool_ptr(np.int64(-1))
     finally:
         c.release(gpu)
+
+
+# -- defect 4: write_block and copy_blocks write only held, unshared blocks -----------
+
+
+def test_write_block_refuses_a_free_block(gpu, cache):
+    cache.zero_blocks(range(8), gpu, gpu.default_stream())
+    gpu.synchronize(gpu.default_stream())
+    with pytest.raises(RefCountError, match=r"write into free block 3 \(count 0\): allocate it first"):
+        cache.write_block(0, 3, b"\x01", b"\x02", gpu)
+    assert not any(cache.read_block(0, 3, gpu)[0]) and not any(cache.read_block(0, 3, gpu)[1])
+
+
+def test_write_block_and_copy_blocks_refuse_a_cached_block(gpu, cache):
+    from pagedkv import PrefixCache
+
+    prefix = PrefixCache(cache)
+    blocks = cache.alloc_blocks(3)
+    cache.zero_blocks(range(8), gpu, gpu.default_stream())  # device memory starts undefined
+    gpu.synchronize(gpu.default_stream())
+    cache.write_block(0, blocks[0], b"\x07", None, gpu)
+    prefix.insert([1, 2, 3, 4], blocks[:1])
+    with pytest.raises(KvCacheError, match=f"write into block {blocks[0]}, which the prefix cache holds"):
+        cache.write_block(1, blocks[0], b"\x09", None, gpu)
+    with pytest.raises(KvCacheError, match=f"write into block {blocks[0]}, which the prefix cache holds"):
+        cache.copy_blocks([(blocks[1], blocks[0])], gpu, gpu.default_stream())
+    with pytest.raises(RefCountError, match=r"write into free block 5 \(count 0\)"):
+        cache.copy_blocks([(blocks[1], 5)], gpu, gpu.default_stream())
+    # copy-on-write: the cached block is a fine source
+    cache.copy_blocks([(blocks[0], blocks[2])], gpu, gpu.default_stream())
+    gpu.synchronize(gpu.default_stream())
+    assert cache.read_block(0, blocks[2], gpu)[0][0] == 7
+    assert cache.read_block(1, blocks[0], gpu)[0][0] == 0 and not cache.read_block(0, 5, gpu)[0].any()

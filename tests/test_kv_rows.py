@@ -256,3 +256,41 @@ def test_unsigned_slots_beyond_int64_are_refused(gpu, make_cache):
         cache.write_tokens(0, np.array([2**64 - 1], np.uint64), x, x, gpu, 0)
     cache.write_tokens(0, np.array([3], np.uint32), x, x, gpu, 0)
     np.testing.assert_array_equal(cache.read_tokens(0, np.array([3], np.int32), gpu)[0], codec_round_trip(x, "fp8"))
+
+
+# -- defect 4: only blocks the caller holds, and no shared (cached) block, are written -
+
+
+def test_write_tokens_refuses_a_free_block_and_writes_nothing(gpu):
+    cfg = KvCacheConfig(block_size=BLOCK, num_kv_heads=2, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(cfg, 4, gpu)
+    try:
+        held = cache.alloc_blocks(2)
+        cache.zero_blocks(range(4), gpu, 0)
+        gpu.synchronize(0)
+        x = np.ones((3, 2, 16), np.float32)
+        with pytest.raises(KvCacheError, match=r"write into free block 2 \(count 0\): allocate it first"):
+            cache.write_tokens(0, [held[0] * BLOCK, 2 * BLOCK + 1, held[1] * BLOCK], x, x, gpu, 0)
+        for block in range(4):
+            assert not cache.read_block(0, block, gpu)[0].any()
+    finally:
+        cache.release(gpu)
+
+
+def test_write_tokens_refuses_a_block_the_prefix_cache_holds(gpu):
+    from pagedkv import PrefixCache
+
+    cfg = KvCacheConfig(block_size=BLOCK, num_kv_heads=2, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(cfg, 4, gpu)
+    try:
+        prefix = PrefixCache(cache)
+        blocks = cache.alloc_blocks(2)
+        cache.zero_blocks(blocks, gpu, 0)
+        x = np.ones((1, 2, 16), np.float32)
+        cache.write_tokens(0, [blocks[1] * BLOCK], x, x, gpu, 0)  # held, not cached: fine
+        prefix.insert([1, 2, 3, 4], blocks[:1])  # block 0 is now shared KV
+        with pytest.raises(KvCacheError, match=r"write into block 0, which the prefix cache holds: shared KV is read-only, copy the block first"):
+            cache.write_tokens(0, [blocks[0] * BLOCK + 3], x, x, gpu, 0)
+        assert not cache.read_block(0, blocks[0], gpu)[0].any()
+    finally:
+        cache.release(gpu)
