@@ -58,6 +58,7 @@ class BlockAllocator:
         self._refs: list[int] = [0] * num_blocks
         self._tracer: BlockTracer | None = BlockTracer() if trace else None
         self._reclaimer: BlockReclaimer | None = None
+        self._watched = self._tracer is not None  # a reclaimer or a tracer: dec_ref's slower path
         self._released = False
 
     # -- validation -------------------------------------------------------------------
@@ -104,10 +105,10 @@ class BlockAllocator:
     def alloc_block(self) -> int:
         """Pop a free block and give it count 1. With an empty free list the reclaimer evicts
         one block first; KvCacheExhausted when none is free or evictable."""
-        free = self._free
-        if not free:
+        try:
+            block = self._free.pop()
+        except IndexError:
             return self._alloc_after_reclaim()
-        block = free.pop()
         self._refs[block] = 1
         if self._tracer is not None:
             self._tracer.record(block, "alloc", 1)
@@ -116,10 +117,10 @@ class BlockAllocator:
     def _alloc_after_reclaim(self) -> int:
         reclaimer = self._reclaimer
         if reclaimer is None:
-            raise self._exhausted(1)
+            raise self._exhausted(1) from None
         if not reclaimer.reclaim(1) or not self._free:
             self._deliver(reclaimer, [])
-            raise self._exhausted(1)
+            raise self._exhausted(1) from None
         block = self._free.pop()
         self._refs[block] = 1
         if self._tracer is not None:
@@ -190,7 +191,8 @@ class BlockAllocator:
 
     def inc_ref(self, block: int) -> None:
         """Add a reference to an allocated block; a free block raises RefCountError."""
-        block = self.block(block)
+        if type(block) is not int or not 0 <= block < self._num_blocks:
+            block = self.block(block)
         count = self._refs[block]
         if count == 0:
             raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
@@ -226,12 +228,10 @@ class BlockAllocator:
         except IndexError:
             raise self._block_error(block) from None
         if count == 1:
-            if self._reclaimer is not None and self._reclaimer.is_cached(block):
-                raise self._cached_error(block)
+            if self._watched:
+                self._freeing_watched(block)
             refs[block] = 0
             self._free.append(block)
-            if self._tracer is not None:
-                self._tracer.record(block, "dec_ref", 0)
             return True
         if count == 0:
             return self._dec_at_zero(block)
@@ -243,6 +243,14 @@ class BlockAllocator:
         return False
 
     free_block = dec_ref  # the owner's release is one dec_ref; an alias keeps the hot path one call
+
+    def _freeing_watched(self, block: int) -> None:
+        """Before `block` goes from 1 to 0 with a reclaimer or tracer present: refuse a block
+        the reclaimer holds, record the event."""
+        if self._reclaimer is not None and self._reclaimer.is_cached(block):
+            raise self._cached_error(block)
+        if self._tracer is not None:
+            self._tracer.record(block, "dec_ref", 0)
 
     def _cached_error(self, block: int) -> RefCountError:
         return RefCountError(
@@ -279,14 +287,35 @@ class BlockAllocator:
         if table is None or isinstance(table, (str, bytes)) or not hasattr(table, "__iter__"):
             raise TypeError(f"free_blocks takes a sequence of int block indices, got {type(table).__name__} {table!r:.80}")
         blocks = list(table)
-        refs, done = self._refs, 0
+        refs, done, n = self._refs, 0, len(blocks)
         reclaimer = self._reclaimer
+        if self._tracer is None:
+            try:  # the common case first: every block at count 1 (and not cached), tightly
+                if reclaimer is None:
+                    for block in reversed(blocks):
+                        if type(block) is not int or block < 0 or refs[block] != 1:
+                            break
+                        refs[block] = 0
+                        done += 1
+                else:
+                    cached = reclaimer.is_cached
+                    for block in reversed(blocks):
+                        if type(block) is not int or block < 0 or refs[block] != 1 or cached(block):
+                            break
+                        refs[block] = 0
+                        done += 1
+            except IndexError:
+                pass
+        ones = done
+        if ones == n:
+            self._free.extend(reversed(blocks))
+            return
         freed: list[int] = []
         sole: list[int] = []
         if self._tracer is None:
             cached = None if reclaimer is None else reclaimer.is_cached
-            try:  # the common case, every block at count 1 or 2, in one tight loop
-                for block in reversed(blocks):
+            try:  # then shared blocks (count > 1) too, still without a call per block
+                for block in reversed(blocks[: n - ones]):
                     if type(block) is not int or block < 0:
                         break
                     count = refs[block]
@@ -295,31 +324,34 @@ class BlockAllocator:
                             break
                         refs[block] = 0
                         freed.append(block)
-                    elif count == 2:
-                        refs[block] = 1
-                        sole.append(block)
-                    else:
+                    elif count == 0:
                         break
+                    else:
+                        refs[block] = count - 1
+                        if count == 2:
+                            sole.append(block)
                     done += 1
             except IndexError:
                 pass
-        if done == len(blocks):
+        if done == n:
+            if ones:
+                self._free.extend(reversed(blocks[n - ones :]))
             self._free.extend(freed)
             if reclaimer is not None:
                 for block in sole:
                     reclaimer.on_sole_reference(block)
             return
-        for block in blocks[len(blocks) - done :]:
-            refs[block] += 1  # undo the partial fast path; the general path below redoes it
+        for block in blocks[n - done :]:
+            refs[block] += 1  # undo the partial fast paths; the general path below redoes it
         blocks = self.blocks(blocks, "free_blocks table")  # raises naming the bad entry
         times = collections.Counter(blocks) if len(set(blocks)) != len(blocks) else None
         if __debug__ and (times is not None or 0 in _counts_of(refs, blocks)):
-            for block, n in (times or collections.Counter(blocks)).items():
-                if refs[block] < n:
+            for block, listed in (times or collections.Counter(blocks)).items():
+                if refs[block] < listed:
                     self._dec_at_zero(block)  # logs and raises before any count changes
         if reclaimer is not None:
-            for block, n in (times or dict.fromkeys(blocks, 1)).items():
-                if 0 < refs[block] <= n and reclaimer.is_cached(block):
+            for block, listed in (times or dict.fromkeys(blocks, 1)).items():
+                if 0 < refs[block] <= listed and reclaimer.is_cached(block):
                     raise self._cached_error(block)
         for block in reversed(blocks):
             self.dec_ref(block)
@@ -379,11 +411,13 @@ class BlockAllocator:
         if self._reclaimer is not None and self._reclaimer is not reclaimer:
             raise KvCacheError("this cache already has a prefix cache attached")
         self._reclaimer = reclaimer
+        self._watched = True
 
     def detach_reclaimer(self, reclaimer: BlockReclaimer) -> None:
         """Undo `attach_reclaimer` (a no-op for one that is not attached)."""
         if self._reclaimer is reclaimer:
             self._reclaimer = None
+            self._watched = self._tracer is not None
 
     def reclaimer(self) -> BlockReclaimer | None:
         """The attached reclaimer, or None."""
