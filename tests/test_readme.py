@@ -26,3 +26,13 @@ def test_readme_test_command_is_what_ci_runs():
     assert commands[1] == ".venv/bin/python -m pytest -q"
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1] in ci
+
+
+def test_every_path_in_the_layout_table_exists():
+    text = README.read_text()
+    table = text[text.index("## Layout"):]
+    rows = "\n".join(line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `"))
+    named = re.findall(r"`((?:pagedkv|tools)/[^`]*)`", rows)
+    assert "pagedkv/allocator.py" in named and "pagedkv/kv_rows.py" in named
+    missing = [p for p in named if not (README.parent / p).exists()]
+    assert missing == []
