@@ -299,3 +299,27 @@ def test_released_allocator_refuses_every_index():
     with pytest.raises(KvCacheError, match="released"):
         alloc.free_blocks([0])
     assert alloc.try_alloc_block() is None and alloc.num_blocks() == 0
+
+
+def test_a_prefix_cache_consumer_allocating_inside_eviction_cannot_shorten_alloc_blocks():
+    # PrefixCache may still report evictions from inside reclaim; the allocator re-checks
+    # the free list after reclaim, so the call returns all it asked for or nothing.
+    cache = make_cache(num_blocks=4)
+    inside = []
+
+    def on_event(event):
+        if type(event).__name__ == "BlockRemoved" and not inside:
+            inside.append(cache.try_alloc_block())
+
+    prefix = PrefixCache(cache, on_event=on_event)
+    blocks = cache.alloc_blocks(3)
+    prefix.insert(list(range(12)), blocks)
+    cache.free_blocks(blocks)  # three cached blocks at count 1, one free block
+    # Whether the consumer runs inside reclaim (taking a block the call needed: the call is
+    # refused) or after it (the call succeeds), alloc_blocks gives all three or none.
+    try:
+        got = cache.alloc_blocks(3)
+    except KvCacheExhausted:
+        got = []
+    assert len(got) in (0, 3) and len(inside) == 1 and inside[0] is not None and inside[0] not in got
+    cache.check_invariants({**{b: 1 for b in got + inside}, **prefix.block_references()})
