@@ -241,7 +241,7 @@ class PagedKvCache:
 
     def read_block(self, layer: int, block: int, gpu: GpuBackend) -> tuple[np.ndarray, np.ndarray]:
         """(K bytes, V bytes) of `block` in `layer`, each its side's stride long (uint8)."""
-        k_ptr, v_ptr = self.k_cache_ptr(layer, block), self.v_cache_ptr(layer, block)
+        k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
         k = np.empty(self._pools.k_stride(layer), dtype=np.uint8)
         gpu.copy_d2h(k_ptr, k)
         if self._config.v_aliases_k:
@@ -255,8 +255,8 @@ class PagedKvCache:
         left alone, and V is skipped under `v_aliases_k`. Data longer than the side's stride
         raises ValueError, and a block not held (count 0) or in the prefix cache is refused
         naming it, before anything is written."""
-        k_ptr, v_ptr = self.k_cache_ptr(layer, block), self.v_cache_ptr(layer, block)
-        self._allocator.check_writable([block])
+        k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
+        self._allocator.check_writable([int(block)])
         aliased = self._config.v_aliases_k
         k_bytes = None if k_data is None else _as_bytes(k_data)
         v_bytes = None if v_data is None or aliased else _as_bytes(v_data)

@@ -144,6 +144,14 @@ class KvPools:
         layer, block = self.layer(layer), self.block(block)
         return self._v_pools[layer].offset(block * self._v_stride[layer])
 
+    def block_ptrs(self, layer: int, block: int) -> tuple[DevicePtr, DevicePtr]:
+        """(K address, V address) of `block` in `layer`, both checked once."""
+        layer, block = self.layer(layer), self.block(block)
+        return (
+            self._k_pools[layer].offset(block * self._k_stride[layer]),
+            self._v_pools[layer].offset(block * self._v_stride[layer]),
+        )
+
     def k_pool(self, layer: int) -> DevicePtr:
         """Base address of `layer`'s K pool."""
         return self._k_pools[self.layer(layer)]
