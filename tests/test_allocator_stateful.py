@@ -108,11 +108,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         held = [b for b in range(N) if self.refs[b]]
         if not held:
             return
-        table = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=len(held), unique=True))
-        if any(self.refs[b] == 1 and b in self.reclaimer.held for b in table):
-            with pytest.raises(RefCountError, match="which the prefix cache still holds"):
+        table = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=len(held) + 2))
+        listed = {b: table.count(b) for b in table}
+        if any(self.refs[b] < n for b, n in listed.items()):
+            with pytest.raises(RefCountError, match="at count 0"):
                 self.cache.free_blocks(table)
             return  # refused: nothing changed (the invariant checks it)
+        if any(self.refs[b] == n and b in self.reclaimer.held for b, n in listed.items()):
+            with pytest.raises(RefCountError, match="which the prefix cache still holds"):
+                self.cache.free_blocks(table)
+            return
         self.cache.free_blocks(table)
         for b in reversed(table):
             self.refs[b] -= 1
