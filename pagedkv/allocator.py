@@ -152,7 +152,9 @@ class BlockAllocator:
         """`n` blocks, each with count 1, in the order `n` `alloc_block` calls would give.
         When the free list is short the reclaimer evicts just enough first, and delivers its
         events once the blocks are taken. All or nothing: KvCacheExhausted, nothing taken
-        and nothing evicted when even eviction cannot make `n` free."""
+        and nothing evicted when even eviction cannot make `n` free (a reclaimer that lets
+        its consumer allocate from inside `reclaim` can leave its eviction done and the call
+        refused, never a short list)."""
         if type(n) is not int or n < 0:
             n = non_negative_int(n, "number of blocks")
         free = self._free
