@@ -1,68 +1,88 @@
 """pagedkv: a paged KV cache for framework-free LLM inference engines.
 
 Importing pagedkv touches no GPU and loads no CUDA library; `pagedkv.driver` does that
-lazily when its backend is constructed.
+lazily when its backend is constructed. Every error pagedkv raises on its own account
+derives from `PagedKvError`.
 """
 
+from .allocator import BlockAllocator, BlockReclaimer
 from .backend import NULL, Bf16Stats, BlockRegions, DevicePtr, GpuBackend
 from .cache import POISON_BYTE, PagedKvCache
 from .config import KvCacheConfig
-from .dtype import GROUP_SIZE, KvCacheDtype, accepted_names, side_bytes
-from .env import EnvFlags, flags, reload_flags
+from .dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, SideFormat, accepted_names, side_bytes
+from .env import EnvFlags, flags
 from .errors import (
     DeviceMemoryError,
     DeviceOutOfMemory,
     KvCacheError,
     KvCacheExhausted,
+    PagedKvError,
     RefCountError,
     TeardownError,
 )
 from .host_backend import HostBackend
-from .teardown import ModelResource, Teardown
+from .kv_rows import SKIP_SLOT
+from .pools import KvPools
 from .prefix_cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     PrefixCache,
+    PrefixCacheEvent,
     PrefixCacheStats,
     PrefixMatch,
+    chain_hash,
+    root_hash,
 )
 from .sequence_table import Exported, PageTable, SequenceTable
+from .teardown import ModelResource, Teardown
+from .validate import MAX_TOKEN_ID, token_ids
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "NULL",
-    "POISON_BYTE",
-    "GROUP_SIZE",
+    "AllBlocksCleared",
     "Bf16Stats",
+    "BlockAllocator",
+    "BlockReclaimer",
     "BlockRegions",
+    "BlockRemoved",
+    "BlockStored",
     "DeviceMemoryError",
     "DeviceOutOfMemory",
     "DevicePtr",
     "EnvFlags",
+    "Exported",
+    "GROUP_SIZE",
     "GpuBackend",
     "HostBackend",
     "KvCacheConfig",
     "KvCacheDtype",
     "KvCacheError",
     "KvCacheExhausted",
+    "KvPools",
+    "MAX_TOKEN_ID",
     "ModelResource",
+    "NULL",
+    "POISON_BYTE",
+    "PageTable",
     "PagedKvCache",
+    "PagedKvError",
+    "PrefixCache",
+    "PrefixCacheEvent",
+    "PrefixCacheStats",
+    "PrefixMatch",
     "RefCountError",
+    "SIDE_FORMATS",
+    "SKIP_SLOT",
+    "SequenceTable",
+    "SideFormat",
     "Teardown",
     "TeardownError",
     "accepted_names",
+    "chain_hash",
     "flags",
-    "reload_flags",
+    "root_hash",
     "side_bytes",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "Exported",
-    "PageTable",
-    "PrefixCache",
-    "PrefixCacheStats",
-    "PrefixMatch",
-    "SequenceTable",
+    "token_ids",
 ]

@@ -1,67 +1,68 @@
-"""PagedKvCache: per-layer K and V block pools, a free list and a reference count per block.
+"""PagedKvCache: a paged KV cache, composed of a `BlockAllocator` and the `KvPools`.
 
-Invariants (checked by `check_invariants`):
-- a block is on the free list exactly when its count is 0, and at most once;
-- free blocks plus referenced blocks make `num_blocks`;
-- a fresh cache hands out 0, 1, 2, ...; the last block freed is the first reused (a stack).
-
-Bookkeeping calls (`alloc_block`, `inc_ref`, `dec_ref`, ...) touch no memory and run in
-O(1). Calls that touch memory take the backend `gpu` (and a `stream` where work is
-enqueued); the cache never owns the backend.
+The allocator (`pagedkv.allocator`) keeps the free list and the reference count of every
+block; the pools (`pagedkv.pools`) own every layer's K and V memory on the backend. The
+cache joins them: its bookkeeping calls (`alloc_block`, `free_block`, `inc_ref`, `dec_ref`,
+...) are the allocator's own bound methods, one call deep, touching no memory; calls that
+touch memory take the backend `gpu` (and a `stream` where work is enqueued) and check
+with the allocator that a destination block is held and not shared. The cache never owns
+the backend.
 """
 
 from __future__ import annotations
 
-import collections
-import operator
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import diagnostics, tokens
-from .backend import BlockRegions, DevicePtr, GpuBackend, as_block_array, check_copy_pairs, host_bytes
+from . import diagnostics, kv_rows
+from .allocator import BlockAllocator, BlockReclaimer
+from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
 from .config import KvCacheConfig
 from .env import flags
-from .errors import KvCacheError, KvCacheExhausted, RefCountError
+from .errors import KvCacheError
 from .log import get_logger
-from .trace import BlockTracer
-from .validate import as_int, non_negative_int, positive_int
+from .pools import KvPools
+from .validate import non_negative_int, positive_int
 
 POISON_BYTE = 0xFF
 """The byte `poison_block` writes: BF16 0xFFFF is a NaN, so a read of a stale block shows."""
 
 _log = get_logger("cache")
 
+_BOUND = (
+    "alloc_block",
+    "try_alloc_block",
+    "alloc_blocks",
+    "inc_ref",
+    "inc_refs",
+    "dec_ref",
+    "free_block",
+    "free_blocks",
+    "return_evicted_block",
+    "ref_count",
+    "num_free_blocks",
+    "num_blocks",
+    "block_history",
+)
+
 
 class PagedKvCache:
-    """A paged KV cache: for every layer a K pool and a V pool of `num_blocks` blocks."""
+    """A paged KV cache: for every layer a K pool and a V pool of `num_blocks` blocks, and a
+    reference count per block. See `BlockAllocator` for the bookkeeping contract."""
 
     def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend):
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
         num_blocks = positive_int(num_blocks, "num_blocks")
-        self._config = config
-        self._num_blocks = num_blocks
-        layers = range(config.num_layers)
-        self._k_stride = [config.k_block_bytes_for_layer(i) for i in layers]
-        self._v_stride = [
-            self._k_stride[i] if config.v_aliases_k else config.v_block_bytes_for_layer(i) for i in layers
-        ]
-        self._k_pools: list[DevicePtr] = []
-        self._v_pools: list[DevicePtr] = []
-        self._regions: BlockRegions | None = None
-        try:
-            self._allocate_pools(gpu)
-        except BaseException:
-            self._free_pools(gpu, raise_first=False)
-            raise
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._refs: list[int] = [0] * num_blocks
         env = flags()
-        self._tracer: BlockTracer | None = BlockTracer() if env.kv_trace else None
+        self._config = config
+        self._pools = KvPools(config, num_blocks, gpu)
+        self._allocator = BlockAllocator(num_blocks, trace=env.kv_trace)
         self._init_value = POISON_BYTE if env.kv_poison else 0
-        self._released = False
-        self._prefix_cache = None
+        for name in _BOUND:  # the hot paths run as the allocator's bound methods
+            setattr(self, name, getattr(self._allocator, name))
+        self._block = self._allocator.block
         per_block = config.block_bytes_kv_all_layers()
         _log.info(
             "kv_cache_allocated",
@@ -76,335 +77,117 @@ class PagedKvCache:
 
     # -- construction and release -----------------------------------------------------
 
-    def _allocate_pools(self, gpu: GpuBackend) -> None:
-        rows = []
-        for layer in range(self._config.num_layers):
-            k_pool = gpu.alloc(self._num_blocks * self._k_stride[layer])
-            self._k_pools.append(k_pool)
-            rows.append((int(k_pool), self._k_stride[layer], self._k_stride[layer]))
-            if self._config.v_aliases_k:
-                self._v_pools.append(k_pool)
-            else:
-                v_pool = gpu.alloc(self._num_blocks * self._v_stride[layer])
-                self._v_pools.append(v_pool)
-                rows.append((int(v_pool), self._v_stride[layer], self._v_stride[layer]))
-        self._regions = gpu.create_block_regions(rows)
-
-    def _free_pools(self, gpu: GpuBackend, raise_first: bool) -> None:
-        """Free the region table and every distinct pool, attempting all; raise the first error."""
-        first: BaseException | None = None
-        actions = []
-        if self._regions is not None:
-            regions = self._regions
-            actions.append(lambda: gpu.destroy_block_regions(regions))
-        seen = set()
-        for pool in self._k_pools + self._v_pools:
-            if int(pool) not in seen:
-                seen.add(int(pool))
-                actions.append(lambda pool=pool: gpu.free(pool))
-        self._regions = None
-        self._k_pools, self._v_pools = [], []
-        for action in actions:
-            try:
-                action()
-            except Exception as err:  # noqa: BLE001 - every pool must be attempted
-                first = first or err
-                _log.error("kv_pool_free_failed", error=str(err))
-        if first is not None and raise_first:
-            raise first
-
     def label(self) -> str:
         """A short name for teardown messages."""
-        return f"PagedKvCache({self._config.num_layers} layers x {self._num_blocks} blocks, {self._config.dtype})"
+        return f"PagedKvCache({self._config.num_layers} layers x {self._pools.num_blocks()} blocks, {self._config.dtype})"
 
     def release(self, gpu: GpuBackend) -> None:
-        """Close an attached prefix cache, free every pool (all attempted; the first error
-        raised) and empty the bookkeeping. Afterwards allocation fails; a second call does
-        nothing."""
-        if self._released:
+        """Close an attached prefix cache (a reclaimer with a `close()`; any other is
+        detached), empty the bookkeeping and free every pool on
+        `gpu` (all attempted; the first error raised). `gpu` must be the backend the cache
+        was built on: KvCacheError, with nothing forgotten, otherwise. Afterwards allocation
+        fails. A pool whose free failed stays recorded, so a second call retries it; with
+        nothing left to free a second call does nothing."""
+        if self._allocator.released() and not self._pools.pending():
             return
-        if self._prefix_cache is not None:
-            try:
-                self._prefix_cache.close()  # hands its references back and detaches
-            except Exception as err:  # noqa: BLE001 - the pools must be freed regardless
-                _log.error("kv_prefix_cache_close_failed", error=str(err))
-        self._released = True
-        self._free, self._refs, self._num_blocks = [], [], 0
-        self._free_pools(gpu, raise_first=True)
+        self._pools.check_backend(gpu)
+        if not self._allocator.released():
+            prefix_cache = self._allocator.reclaimer()
+            close = getattr(prefix_cache, "close", None)
+            if close is not None:
+                try:
+                    close()  # hands its references back and detaches
+                except Exception as err:  # noqa: BLE001 - the pools must be freed regardless
+                    _log.error("kv_prefix_cache_close_failed", error=str(err))
+            if prefix_cache is not None:
+                self._allocator.detach_reclaimer(prefix_cache)
+            self._allocator.release()
+        self._pools.release(gpu)
 
     # -- validation -------------------------------------------------------------------
 
-    def _block(self, block: object) -> int:
-        """`block` as an in-range int index, or IndexError/TypeError naming it."""
-        if type(block) is not int:
-            block = as_int(block, "block index")
-        if not 0 <= block < self._num_blocks:
-            if self._released:
-                raise KvCacheError(f"block {block}: the cache has been released")
-            raise IndexError(f"block {block} out of range for a cache of {self._num_blocks} blocks")
-        return block
+    def _blocks(self, blocks: Iterable[int], what: str = "blocks") -> np.ndarray:
+        """`blocks` as an int64 array of in-range indices; the first bad entry is named."""
+        return np.asarray(self._allocator.blocks(blocks, what), dtype=np.int64)
 
-    def _layer(self, layer: object) -> int:
-        if self._released:
-            raise KvCacheError("the cache has been released")
-        return self._config._check_layer(layer)  # type: ignore[arg-type]
-
-    def _blocks(self, blocks: Iterable[int]) -> np.ndarray:
-        """`blocks` as an int64 array; IndexError names the first index outside [0, num_blocks)."""
-        if not isinstance(blocks, np.ndarray):
-            blocks = list(blocks)
-            if bool in set(map(type, blocks)):
-                raise TypeError(f"block indices must be ints, got {blocks!r}")
-        arr = np.asarray(blocks)
-        if arr.size and arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer):
-            bad = arr[(arr < 0) | (arr >= self._num_blocks)]
-            if bad.size:
-                self._block(int(bad[0]))  # raises IndexError (KvCacheError once released)
-        return as_block_array(arr)
-
-    # -- allocation and reference counts ---------------------------------------------
+    # -- allocation and reference counts (instances run the allocator's bound methods) --
 
     def alloc_block(self) -> int:
-        """Pop a free block and give it count 1. With an empty free list an attached prefix
-        cache evicts one block first; KvCacheExhausted when none is free or evictable."""
-        try:
-            block = self._free.pop()
-        except IndexError:
-            block = self._pop_after_eviction()
-        self._refs[block] = 1
-        if self._tracer is not None:
-            self._tracer.record(block, "alloc", 1)
-        return block
-
-    def _pop_after_eviction(self) -> int:
-        if self._prefix_cache is None or not self._prefix_cache.reclaim(1):
-            raise self._exhausted(1)
-        return self._free.pop()
+        """See `BlockAllocator.alloc_block`."""
+        return self._allocator.alloc_block()
 
     def try_alloc_block(self) -> int | None:
-        """Like `alloc_block`, but None when no block is free or evictable (or after `release`)."""
-        if self._released:
-            return None
-        try:
-            return self.alloc_block()
-        except KvCacheExhausted:
-            return None
+        """See `BlockAllocator.try_alloc_block`."""
+        return self._allocator.try_alloc_block()
 
     def alloc_blocks(self, n: int) -> list[int]:
-        """`n` blocks, each with count 1, in the order `n` `alloc_block` calls would give.
-        When the free list is short, an attached prefix cache evicts just enough first. All
-        or nothing: KvCacheExhausted, nothing taken and nothing evicted when even eviction
-        cannot make `n` free."""
-        n = non_negative_int(n, "number of blocks")
-        free = self._free
-        if n > len(free) and (self._prefix_cache is None or not self._prefix_cache.reclaim(n - len(free))):
-            raise self._exhausted(n)
-        if n == 0:
-            return []
-        taken = free[-n:]
-        del free[-n:]
-        taken.reverse()
-        refs = self._refs
-        for block in taken:
-            refs[block] = 1
-        if self._tracer is not None:
-            for block in taken:
-                self._tracer.record(block, "alloc", 1)
-        return taken
-
-    def _exhausted(self, wanted: int) -> KvCacheError:
-        if self._released:
-            return KvCacheError("the cache has been released: no block can be allocated")
-        evicting = "" if self._prefix_cache is None else " and the prefix cache cannot evict enough"
-        return KvCacheExhausted(
-            f"asked for {wanted} block(s) but {len(self._free)} of {self._num_blocks} are free{evicting}"
-        )
+        """See `BlockAllocator.alloc_blocks`."""
+        return self._allocator.alloc_blocks(n)
 
     def inc_ref(self, block: int) -> None:
-        """Add a reference to an allocated block; a free block raises RefCountError."""
-        block = self._block(block)
-        count = self._refs[block]
-        if count == 0:
-            raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
-        self._refs[block] = count + 1
-        if self._tracer is not None:
-            self._tracer.record(block, "inc_ref", count + 1)
+        """See `BlockAllocator.inc_ref`."""
+        self._allocator.inc_ref(block)
 
     def inc_refs(self, blocks: Sequence[int]) -> None:
-        """`inc_ref` of every block of `blocks`; all are checked before any count changes."""
-        blocks = list(blocks)
-        if not self._all_valid(blocks):
-            blocks = [self._block(b) for b in blocks]
-        refs = self._refs
-        for block in blocks:
-            if refs[block] == 0:
-                raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
-        if self._tracer is not None:
-            for block in blocks:
-                self.inc_ref(block)
-            return
-        for block in blocks:
-            refs[block] += 1
+        """See `BlockAllocator.inc_refs`."""
+        self._allocator.inc_refs(blocks)
 
     def dec_ref(self, block: int) -> bool:
-        """Drop a reference; True when the count reached 0 and the block went back on the
-        free list. At count 0 nothing changes: an error event, False (RefCountError while
-        Python assertions are on). A count falling to 1 is reported to an attached prefix
-        cache (the block may have become evictable)."""
-        if type(block) is not int or block < 0:
-            block = self._block(block)
-        refs = self._refs
-        try:
-            count = refs[block]
-        except IndexError:
-            raise self._block_error(block) from None
-        if count == 1:
-            refs[block] = 0
-            self._free.append(block)
-            if self._tracer is not None:
-                self._tracer.record(block, "dec_ref", 0)
-            return True
-        if count == 0:
-            return self._dec_at_zero(block)
-        refs[block] = count - 1
-        if self._tracer is not None:
-            self._tracer.record(block, "dec_ref", count - 1)
-        if count == 2 and self._prefix_cache is not None:
-            self._prefix_cache.on_sole_reference(block)
-        return False
+        """See `BlockAllocator.dec_ref`."""
+        return self._allocator.dec_ref(block)
 
-    free_block = dec_ref  # the owner's release is one dec_ref; an alias keeps the hot path one call
-
-    def _block_error(self, block: int) -> Exception:
-        try:
-            self._block(block)
-        except (IndexError, KvCacheError) as err:
-            return err
-        return IndexError(f"block {block} out of range for a cache of {self._num_blocks} blocks")
-
-    def _dec_at_zero(self, block: int) -> bool:
-        history = self._history(block)
-        _log.error("kv_dec_ref_at_zero", block=block, history=history)
-        if __debug__:
-            raise RefCountError(f"dec_ref of block {block} at count 0{self._history_suffix(block)}")
-        return False
-
-    def _history(self, block: int) -> list[str] | None:
-        return None if self._tracer is None else [str(e) for e in self._tracer.history(block)]
-
-    def _history_suffix(self, block: int) -> str:
-        history = self._history(block)
-        return f"; history: {', '.join(history)}" if history else ""
+    def free_block(self, block: int) -> bool:
+        """See `BlockAllocator.free_block` (one `dec_ref`)."""
+        return self._allocator.dec_ref(block)
 
     def free_blocks(self, table: Sequence[int]) -> None:
-        """Drop one reference to each block of `table`, last first, so the blocks come back
-        in the order they were allocated. Every index is checked before any count changes,
-        and while Python assertions are on so is every count (a block listed more often
-        than it is referenced raises RefCountError with nothing changed)."""
-        blocks = list(table)
-        refs, done = self._refs, 0
-        if self._tracer is None:
-            try:  # the common case, every block at count 1, in one tight loop
-                for block in reversed(blocks):
-                    if type(block) is not int or block < 0 or refs[block] != 1:
-                        break
-                    refs[block] = 0
-                    done += 1
-            except IndexError:
-                pass
-        if done == len(blocks):
-            self._free.extend(reversed(blocks))
-            return
-        for block in blocks[len(blocks) - done :]:
-            refs[block] = 1  # undo the partial fast path; the general path below redoes it
-        if not self._all_valid(blocks):
-            blocks = [self._block(b) for b in blocks]  # raises naming the bad entry
-        if __debug__ and (len(set(blocks)) != len(blocks) or 0 in _counts_of(refs, blocks)):
-            for block, times in collections.Counter(blocks).items():
-                if refs[block] < times:
-                    self._dec_at_zero(block)  # logs and raises before any count changes
-        for block in reversed(blocks):
-            self.dec_ref(block)
-
-    def _all_valid(self, blocks: list) -> bool:
-        """True when every entry is a plain int index in range (checked at C speed)."""
-        return not blocks or (
-            set(map(type, blocks)) == {int} and min(blocks) >= 0 and max(blocks) < self._num_blocks
-        )
+        """See `BlockAllocator.free_blocks`."""
+        self._allocator.free_blocks(table)
 
     def return_evicted_block(self, block: int) -> None:
-        """The prefix cache handing back its own reference: one decrement, pushed onto the
-        free list only on 1 -> 0; at count 0 a warning and nothing else."""
-        block = self._block(block)
-        count = self._refs[block]
-        if count == 0:
-            _log.warning("kv_return_evicted_at_zero", block=block, history=self._history(block))
-            return
-        count -= 1
-        self._refs[block] = count
-        if self._tracer is not None:
-            self._tracer.record(block, "return_evicted", count)
-        if count == 0:
-            self._free.append(block)
+        """See `BlockAllocator.return_evicted_block`."""
+        self._allocator.return_evicted_block(block)
 
     def ref_count(self, block: int) -> int:
-        """The block's reference count (0 = free)."""
-        return self._refs[self._block(block)]
+        """See `BlockAllocator.ref_count`."""
+        return self._allocator.ref_count(block)
 
     def num_free_blocks(self) -> int:
         """How many blocks are on the free list."""
-        return len(self._free)
+        return self._allocator.num_free_blocks()
+
+    def num_blocks(self) -> int:
+        """Blocks per pool (0 after `release`)."""
+        return self._allocator.num_blocks()
 
     def block_history(self, block: int) -> list[str]:
-        """The block's refcount events (`op->count@file:line`) when tracing is on, else []."""
-        return self._history(self._block(block)) or []
+        """See `BlockAllocator.block_history`."""
+        return self._allocator.block_history(block)
 
-    def attach_prefix_cache(self, prefix_cache) -> None:
-        """Register the prefix cache that evicts for allocation (`reclaim(n) -> bool`, which
-        frees exactly `n` blocks or nothing) and hears of counts falling to 1
-        (`on_sole_reference(block)`). One per cache; `PrefixCache(cache)` calls this."""
-        if self._prefix_cache is not None and self._prefix_cache is not prefix_cache:
-            raise KvCacheError("this cache already has a prefix cache attached")
-        self._prefix_cache = prefix_cache
+    def allocator(self) -> BlockAllocator:
+        """The block allocator (free list and counts)."""
+        return self._allocator
 
-    def detach_prefix_cache(self, prefix_cache) -> None:
+    def pools(self) -> KvPools:
+        """The K and V pools."""
+        return self._pools
+
+    def attach_prefix_cache(self, prefix_cache: BlockReclaimer) -> None:
+        """Register the prefix cache that evicts for allocation; it must be a
+        `BlockReclaimer`. One per cache; `PrefixCache(cache)` calls this."""
+        self._allocator.attach_reclaimer(prefix_cache)
+
+    def detach_prefix_cache(self, prefix_cache: BlockReclaimer) -> None:
         """Undo `attach_prefix_cache` (a no-op for a prefix cache that is not attached)."""
-        if self._prefix_cache is prefix_cache:
-            self._prefix_cache = None
+        self._allocator.detach_reclaimer(prefix_cache)
 
-    def attached_prefix_cache(self):
+    def attached_prefix_cache(self) -> BlockReclaimer | None:
         """The attached prefix cache, or None."""
-        return self._prefix_cache
+        return self._allocator.reclaimer()
 
     def check_invariants(self, held: Mapping[int, int] | None = None) -> None:
-        """Raise RefCountError if the free list and counts disagree (O(num_blocks)). With
-        `held` (block -> references its holders account for), every block's count must
-        equal its entry (0 when absent)."""
-        free = self._free
-        if len(set(free)) != len(free):
-            raise RefCountError(f"free list holds duplicates: {sorted(free)}")
-        for block in free:
-            if self._refs[block] != 0:
-                raise RefCountError(f"free block {block} has count {self._refs[block]}")
-        referenced = sum(1 for c in self._refs if c > 0)
-        if any(c < 0 for c in self._refs):
-            raise RefCountError("a block has a negative count")
-        if referenced + len(free) != self._num_blocks:
-            raise RefCountError(
-                f"{len(free)} free + {referenced} referenced != {self._num_blocks} blocks"
-            )
-        if held is None:
-            return
-        for block in held:
-            if not 0 <= block < self._num_blocks:
-                raise RefCountError(f"holders account for block {block}, outside a cache of {self._num_blocks}")
-        for block, count in enumerate(self._refs):
-            expected = held.get(block, 0)
-            if count != expected:
-                raise RefCountError(
-                    f"block {block} has count {count} but its holders account for {expected}"
-                    f"{self._history_suffix(block)}"
-                )
+        """See `BlockAllocator.check_invariants`."""
+        self._allocator.check_invariants(held)
 
     # -- memory: fill, copy, read, write ----------------------------------------------
 
@@ -436,46 +219,49 @@ class PagedKvCache:
         """Set every byte of the listed blocks, in every layer's K and V pool, to `value`."""
         idx = self._blocks(blocks)
         if idx.size:
-            gpu.fill_blocks(self._live_regions(), idx, value, stream)
+            gpu.fill_blocks(self._pools.regions(), idx, value, stream)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]], gpu: GpuBackend, stream: int) -> None:
         """Copy block `src` over block `dst` for every `(src, dst)` pair, in every layer's K
-        and V pool, in one backend call (the copy-on-write primitive)."""
+        and V pool, in one backend call (the copy-on-write primitive). Each destination must
+        be held (count > 0) and not in the prefix cache: refused naming the block otherwise,
+        before anything is copied."""
+        if pairs is None or isinstance(pairs, (str, bytes)):
+            raise TypeError(f"copy_blocks takes a sequence of (src, dst) pairs, got {pairs!r}")
         pairs = list(pairs)
         for pair in pairs:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise ValueError(f"copy_blocks takes (src, dst) pairs, got {pair!r}")
-        src = self._blocks([p[0] for p in pairs])
-        dst = self._blocks([p[1] for p in pairs])
+        src = self._blocks([p[0] for p in pairs], "copy_blocks sources")
+        dst = self._blocks([p[1] for p in pairs], "copy_blocks destinations")
         check_copy_pairs(src, dst)
+        self._allocator.check_writable(dst.tolist())
         if src.size:
-            gpu.copy_blocks(self._live_regions(), src, dst, stream)
-
-    def _live_regions(self) -> BlockRegions:
-        if self._regions is None:
-            raise KvCacheError("the cache has been released")
-        return self._regions
+            gpu.copy_blocks(self._pools.regions(), src, dst, stream)
 
     def read_block(self, layer: int, block: int, gpu: GpuBackend) -> tuple[np.ndarray, np.ndarray]:
         """(K bytes, V bytes) of `block` in `layer`, each its side's stride long (uint8)."""
-        k_ptr, v_ptr = self.k_cache_ptr(layer, block), self.v_cache_ptr(layer, block)
-        k = np.empty(self._k_stride[layer], dtype=np.uint8)
+        k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
+        k = np.empty(self._pools.k_stride(layer), dtype=np.uint8)
         gpu.copy_d2h(k_ptr, k)
         if self._config.v_aliases_k:
             return k, k.copy()
-        v = np.empty(self._v_stride[layer], dtype=np.uint8)
+        v = np.empty(self._pools.v_stride(layer), dtype=np.uint8)
         gpu.copy_d2h(v_ptr, v)
         return k, v
 
     def write_block(self, layer: int, block: int, k_data, v_data, gpu: GpuBackend) -> None:
         """Write raw bytes at the start of `block`'s K and V in `layer`; a side given None is
         left alone, and V is skipped under `v_aliases_k`. Data longer than the side's stride
-        raises ValueError before anything is written."""
-        k_ptr, v_ptr = self.k_cache_ptr(layer, block), self.v_cache_ptr(layer, block)
+        raises ValueError, and a block not held (count 0) or in the prefix cache is refused
+        naming it, before anything is written."""
+        k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
+        self._allocator.check_writable([int(block)])
         aliased = self._config.v_aliases_k
         k_bytes = None if k_data is None else _as_bytes(k_data)
         v_bytes = None if v_data is None or aliased else _as_bytes(v_data)
-        for side, data, stride in (("K", k_bytes, self._k_stride[layer]), ("V", v_bytes, self._v_stride[layer])):
+        strides = (self._pools.k_stride(layer), self._pools.v_stride(layer))
+        for side, data, stride in (("K", k_bytes, strides[0]), ("V", v_bytes, strides[1])):
             if data is not None and data.nbytes > stride:
                 raise ValueError(
                     f"layer {layer} {side} data is {data.nbytes} bytes, longer than the {stride}-byte block"
@@ -488,13 +274,16 @@ class PagedKvCache:
     def write_tokens(self, layer: int, slots, k, v, gpu: GpuBackend, stream: int,
                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Encode and write token rows of K and V into `layer`'s slots (`block * block_size +
-        offset`, -1 skips), each side in its own format; see `pagedkv.tokens.write_tokens`."""
-        tokens.write_tokens(self, layer, slots, k, v, gpu, stream, k_scale, v_scale)
+        offset`, -1 skips), each side in its own format; see `pagedkv.kv_rows.write_tokens`.
+        Every destination block must be held (count > 0) and not in the prefix cache:
+        refused naming the block otherwise, before anything is written."""
+        kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
+                             check_blocks=self._allocator.check_writable)
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-        """(k, v) float32 rows decoded from `layer`'s slots; see `pagedkv.tokens.read_tokens`."""
-        return tokens.read_tokens(self, layer, slots, gpu, unrotate, k_scale, v_scale)
+        """(k, v) float32 rows decoded from `layer`'s slots; see `pagedkv.kv_rows.read_tokens`."""
+        return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale)
 
     # -- diagnostics ------------------------------------------------------------------
 
@@ -503,47 +292,40 @@ class PagedKvCache:
     ) -> None:
         """Per BF16 layer, region (prefix/suffix of `blocks` at `boundary_idx`) and side, one
         structlog event with float64 sum, ssq and sabs computed on the backend."""
-        diagnostics.checksum_per_layer(self, blocks, boundary_idx, gpu, stream, tag)
+        diagnostics.checksum_per_layer(self._pools, blocks, boundary_idx, gpu, stream, tag)
 
     def debug_kv_per_block(
         self, layer: int, blocks: Sequence[int], gpu: GpuBackend, stream: int, tag: str
     ) -> None:
         """One structlog event per entry of `blocks`: logical index, physical block, K and V
         sums of squares (nothing for a non-BF16 layer)."""
-        diagnostics.per_block(self, layer, blocks, gpu, stream, tag)
+        diagnostics.per_block(self._pools, layer, blocks, gpu, stream, tag)
 
     def block_regions(self) -> BlockRegions:
         """The backend region table: row per layer, K then V (V absent under `v_aliases_k`)."""
-        return self._live_regions()
+        return self._pools.regions()
 
     def region_index(self, layer: int, side: str) -> int:
         """The row of `block_regions()` holding `layer`'s `side` ("K" or "V") pool."""
-        layer = self._layer(layer)
-        if side not in ("K", "V"):
-            raise ValueError(f"side must be 'K' or 'V', got {side!r}")
-        if self._config.v_aliases_k:
-            return layer
-        return 2 * layer + (side == "V")
+        return self._pools.region_index(layer, side)
 
     # -- geometry ---------------------------------------------------------------------
 
     def k_cache_ptr(self, layer: int, block: int) -> DevicePtr:
         """Device address of `block` in `layer`'s K pool."""
-        layer, block = self._layer(layer), self._block(block)
-        return self._k_pools[layer].offset(block * self._k_stride[layer])
+        return self._pools.k_block_ptr(layer, block)
 
     def v_cache_ptr(self, layer: int, block: int) -> DevicePtr:
         """Device address of `block` in `layer`'s V pool (the K block under `v_aliases_k`)."""
-        layer, block = self._layer(layer), self._block(block)
-        return self._v_pools[layer].offset(block * self._v_stride[layer])
+        return self._pools.v_block_ptr(layer, block)
 
     def k_pool_ptr(self, layer: int) -> DevicePtr:
         """Base address of `layer`'s K pool."""
-        return self._k_pools[self._layer(layer)]
+        return self._pools.k_pool(layer)
 
     def v_pool_ptr(self, layer: int) -> DevicePtr:
         """Base address of `layer`'s V pool (the K pool under `v_aliases_k`)."""
-        return self._v_pools[self._layer(layer)]
+        return self._pools.v_pool(layer)
 
     def cache_stride(self) -> int:
         """Elements per block side at the global dims."""
@@ -559,11 +341,11 @@ class PagedKvCache:
 
     def k_block_stride_bytes_for_layer(self, layer: int) -> int:
         """Bytes between consecutive blocks of `layer`'s K pool."""
-        return self._k_stride[self._config._check_layer(layer)]
+        return self._pools.k_stride(layer)
 
     def v_block_stride_bytes_for_layer(self, layer: int) -> int:
         """Bytes between consecutive blocks of `layer`'s V pool (the K stride under aliasing)."""
-        return self._v_stride[self._config._check_layer(layer)]
+        return self._pools.v_stride(layer)
 
     def nvfp4_data_bytes(self) -> int:
         """See `KvCacheConfig.nvfp4_data_bytes`."""
@@ -605,10 +387,6 @@ class PagedKvCache:
         """Tokens per block."""
         return self._config.block_size
 
-    def num_blocks(self) -> int:
-        """Blocks per pool (0 after `release`)."""
-        return self._num_blocks
-
     def num_layers(self) -> int:
         """Layers in the cache."""
         return self._config.num_layers
@@ -633,11 +411,6 @@ class PagedKvCache:
         from .views import PoolView
 
         return PoolView(self, layer, "V", gpu, stream, readonly)
-
-
-def _counts_of(refs: list[int], blocks: list[int]) -> tuple[int, ...]:
-    """The counts of `blocks` (valid indices), gathered at C speed."""
-    return operator.itemgetter(*blocks)(refs) if len(blocks) > 1 else tuple(refs[b] for b in blocks)
 
 
 def _as_bytes(data) -> np.ndarray:

@@ -4,8 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
+from .dtype import GROUP_SIZE, KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
 from .validate import index_in_range, positive_int
+
+MAX_BLOCK_SIZE = 2**16
+"""The most tokens a block may hold."""
+MAX_KV_HEADS = 2**12
+"""The most KV heads a layer may have."""
+MAX_HEAD_DIM = 2**14
+"""The largest head_dim a layer may have."""
+MAX_LAYERS = 2**12
+"""The most layers a cache may have."""
+MAX_BLOCKS_PER_SEQ = 2**31
+"""The largest sliding window, in blocks."""
+
+_BOUNDS = {
+    "block_size": MAX_BLOCK_SIZE,
+    "num_kv_heads": MAX_KV_HEADS,
+    "head_dim": MAX_HEAD_DIM,
+    "num_layers": MAX_LAYERS,
+}
 
 
 @dataclass(frozen=True)
@@ -16,6 +34,14 @@ class KvCacheConfig:
     when `i` is below that sequence's length, else the global `dtype` / dims. Under
     `v_aliases_k` the V pool of every layer is its K pool (no V bytes exist).
     `cache_blocks_per_seq`, when set, is the sliding-window length in blocks.
+
+    Every size is checked at construction (ValueError naming the field and value): a
+    positive int no larger than its bound, `block_size` <= 2**16 (`MAX_BLOCK_SIZE`),
+    `num_kv_heads` <= 2**12 (`MAX_KV_HEADS`, per layer too), `head_dim` <= 2**14
+    (`MAX_HEAD_DIM`, per layer too), `num_layers` <= 2**12 (`MAX_LAYERS`) and
+    `cache_blocks_per_seq` <= 2**31 (`MAX_BLOCKS_PER_SEQ`). A layer in a grouped format
+    (nvfp4, turbo*, on either side) needs a head_dim that is a multiple of 16, since a
+    group never straddles two heads.
     """
 
     block_size: int
@@ -29,8 +55,8 @@ class KvCacheConfig:
     v_aliases_k: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "head_dim", "num_layers"):
-            object.__setattr__(self, name, positive_int(getattr(self, name), name))
+        for name, bound in _BOUNDS.items():
+            object.__setattr__(self, name, _bounded(getattr(self, name), name, bound))
         object.__setattr__(self, "dtype", KvCacheDtype.parse(self.dtype))
         dtypes = tuple(KvCacheDtype.parse(d) for d in self.layer_dtypes)
         dims = tuple(self._parse_dims(i, d) for i, d in enumerate(self.layer_dims))
@@ -44,7 +70,9 @@ class KvCacheConfig:
             raise ValueError(f"layer_dims has {len(dims)} entries but num_layers is {self.num_layers}")
         if self.cache_blocks_per_seq is not None:
             object.__setattr__(
-                self, "cache_blocks_per_seq", positive_int(self.cache_blocks_per_seq, "cache_blocks_per_seq")
+                self,
+                "cache_blocks_per_seq",
+                _bounded(self.cache_blocks_per_seq, "cache_blocks_per_seq", MAX_BLOCKS_PER_SEQ),
             )
         if not isinstance(self.v_aliases_k, bool):
             raise ValueError(f"v_aliases_k must be a bool, got {self.v_aliases_k!r}")
@@ -60,21 +88,19 @@ class KvCacheConfig:
                 f"layer_dims[{layer}] must be a (num_kv_heads, head_dim) pair, got {dims!r}"
             ) from None
         return (
-            positive_int(heads, f"layer_dims[{layer}] num_kv_heads"),
-            positive_int(head_dim, f"layer_dims[{layer}] head_dim"),
+            _bounded(heads, f"layer_dims[{layer}] num_kv_heads", MAX_KV_HEADS),
+            _bounded(head_dim, f"layer_dims[{layer}] head_dim", MAX_HEAD_DIM),
         )
 
     def _validate_layer(self, layer: int) -> None:
         fmt = self.dtype_for_layer(layer)
         if self.v_aliases_k and fmt.is_asymmetric():
             raise ValueError(f"layer {layer}: v_aliases_k needs one format for K and V, got {fmt}")
-        elements = self.elements_per_block_side(layer)
-        if fmt.is_grouped() and elements % 16:
-            heads, head_dim = self.dims_for_layer(layer)
+        heads, head_dim = self.dims_for_layer(layer)
+        if fmt.is_grouped() and head_dim % GROUP_SIZE:
             raise ValueError(
-                f"layer {layer}: {fmt} stores 16-element groups but a block side holds "
-                f"{elements} elements (block_size {self.block_size} x {heads} heads x head_dim "
-                f"{head_dim}), not a multiple of 16"
+                f"layer {layer}: {fmt} stores {GROUP_SIZE}-element groups within a head but head_dim "
+                f"is {head_dim}, not a multiple of {GROUP_SIZE} (a group would straddle two heads)"
             )
 
     def _check_layer(self, layer: int) -> int:
@@ -180,3 +206,11 @@ class KvCacheConfig:
         fmts = {self.dtype_for_layer(layer) for layer in range(self.num_layers)}
         dims = {self.dims_for_layer(layer) for layer in range(self.num_layers)}
         return len(fmts) > 1 or len(dims) > 1 or any(f.is_asymmetric() for f in fmts)
+
+
+def _bounded(value: object, what: str, bound: int) -> int:
+    """`value` as a positive int no larger than `bound`; ValueError naming `what` otherwise."""
+    number = positive_int(value, what)
+    if number > bound:
+        raise ValueError(f"{what} is {number}, past the bound of {bound}")
+    return number

@@ -1,13 +1,15 @@
 """The sixteen KV storage formats and the byte cost of one block side in each.
 
 A *side format* is one of the seven symmetric formats (bf16, fp8, nvfp4, turbo4, turbo3,
-turbo2, turbo8); an asymmetric format names a K side format and a V side format. Every
-byte count in the library comes from `side_bytes`.
+turbo2, turbo8); an asymmetric format names a K side format and a V side format.
+`SIDE_FORMATS` is the one table of what a side format is (data bits, scale bytes per
+group, rotation, codec); every byte count in the library comes from `side_bytes`.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 from .validate import positive_int
 
@@ -67,17 +69,17 @@ class KvCacheDtype(enum.Enum):
 
     def is_wht_rotated(self) -> bool:
         """True for the symmetric turbo formats, whose values are Walsh-Hadamard rotated."""
-        return self in _ROTATED
+        return self in SIDE_FORMATS and SIDE_FORMATS[self].rotated
 
     def is_grouped(self) -> bool:
         """True when either side stores 16-element groups with per-group scales (nvfp4, turbo*)."""
         k, v = self.kv_pair()
-        return _SIDE_GROUPED[k] or _SIDE_GROUPED[v]
+        return SIDE_FORMATS[k].grouped or SIDE_FORMATS[v].grouped
 
     def side_bits(self) -> tuple[float, float]:
         """Bits per element of the K side and of the V side, scales included."""
         k, v = self.kv_pair()
-        return _SIDE_BITS[k], _SIDE_BITS[v]
+        return SIDE_FORMATS[k].bits, SIDE_FORMATS[v].bits
 
     def bits_per_element(self) -> float:
         """Mean bits per stored element over K and V (the side's bits for a symmetric format)."""
@@ -85,29 +87,46 @@ class KvCacheDtype(enum.Enum):
         return (k + v) / 2
 
 
-_SIDE_BITS = {
-    KvCacheDtype.BF16: 16.0,
-    KvCacheDtype.FP8: 8.0,
-    KvCacheDtype.NVFP4: 4.5,
-    KvCacheDtype.TURBO4: 4.5,
-    KvCacheDtype.TURBO3: 3.5,
-    KvCacheDtype.TURBO2: 2.5,
-    KvCacheDtype.TURBO8: 9.0,
+class SideFormat(NamedTuple):
+    """What one side format is: `data_bits` per element in the data section, `scale_bytes`
+    per `GROUP_SIZE`-element group in the scale section (0: not grouped), whether values are
+    Walsh-Hadamard `rotated` per head before encoding, and the `codec` family that encodes
+    it in `pagedkv.codecs` ("bf16", "e4m3", "nvfp4", "turbo" codebook, "turbo8")."""
+
+    data_bits: int
+    scale_bytes: int
+    rotated: bool
+    codec: str
+
+    @property
+    def grouped(self) -> bool:
+        """True when the format stores groups with a per-group scale."""
+        return self.scale_bytes > 0
+
+    @property
+    def bits(self) -> float:
+        """Bits per element, scales included."""
+        return self.data_bits + self.scale_bytes * 8 / GROUP_SIZE
+
+
+SIDE_FORMATS: dict[KvCacheDtype, SideFormat] = {
+    KvCacheDtype.BF16: SideFormat(16, 0, False, "bf16"),
+    KvCacheDtype.FP8: SideFormat(8, 0, False, "e4m3"),
+    KvCacheDtype.NVFP4: SideFormat(4, 1, False, "nvfp4"),
+    KvCacheDtype.TURBO4: SideFormat(4, 1, True, "turbo"),
+    KvCacheDtype.TURBO3: SideFormat(3, 1, True, "turbo"),
+    KvCacheDtype.TURBO2: SideFormat(2, 1, True, "turbo"),
+    KvCacheDtype.TURBO8: SideFormat(8, 2, True, "turbo8"),
 }
-# (data bits per element, scale bytes per 16-element group) of each side format.
-_SIDE_LAYOUT = {
-    KvCacheDtype.BF16: (16, 0),
-    KvCacheDtype.FP8: (8, 0),
-    KvCacheDtype.NVFP4: (4, 1),
-    KvCacheDtype.TURBO4: (4, 1),
-    KvCacheDtype.TURBO3: (3, 1),
-    KvCacheDtype.TURBO2: (2, 1),
-    KvCacheDtype.TURBO8: (8, 2),
-}
-_SIDE_GROUPED = {fmt: scale > 0 for fmt, (_, scale) in _SIDE_LAYOUT.items()}
-_ROTATED = frozenset(
-    {KvCacheDtype.TURBO4, KvCacheDtype.TURBO3, KvCacheDtype.TURBO2, KvCacheDtype.TURBO8}
-)
+"""The seven side formats and what each is; asymmetric formats are pairs of these."""
+
+
+def side_spec(side: KvCacheDtype) -> SideFormat:
+    """The `SIDE_FORMATS` entry of side format `side`; ValueError for an asymmetric format."""
+    spec = SIDE_FORMATS.get(side)
+    if spec is None:
+        raise ValueError(f"{side} is not a side format; use kv_pair() to split an asymmetric format")
+    return spec
 
 
 def _pairs() -> dict[KvCacheDtype, tuple[KvCacheDtype, KvCacheDtype]]:
@@ -155,10 +174,8 @@ def side_bytes(side: KvCacheDtype, elements: int) -> int:
 
 
 def _layout(side: KvCacheDtype, elements: int) -> tuple[int, int]:
-    if side not in _SIDE_LAYOUT:
-        raise ValueError(f"{side} is not a side format; use kv_pair() to split an asymmetric format")
+    bits, scale = side_spec(side)[:2]
     elements = positive_int(elements, "elements per block side")
-    bits, scale = _SIDE_LAYOUT[side]
     if scale and elements % GROUP_SIZE:
         raise ValueError(
             f"{side} stores {GROUP_SIZE}-element groups: {elements} elements per block side "

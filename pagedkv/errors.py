@@ -1,7 +1,13 @@
-"""Exceptions raised by pagedkv."""
+"""Exceptions raised by pagedkv: every one derives from `PagedKvError`."""
 
 
-class KvCacheError(Exception):
+class PagedKvError(Exception):
+    """Base class of every error pagedkv raises on its own account (catch this to catch them all).
+
+    Argument checks still raise the built-in TypeError, ValueError and IndexError."""
+
+
+class KvCacheError(PagedKvError):
     """Base class of the KV cache's own errors."""
 
 
@@ -10,10 +16,11 @@ class KvCacheExhausted(KvCacheError):
 
 
 class RefCountError(KvCacheError):
-    """A reference-count bug: a decrement at zero or an increment of a free block."""
+    """A reference-count bug: a decrement at zero, an increment of a free block, or a
+    decrement that would free a block the prefix cache still holds."""
 
 
-class DeviceMemoryError(RuntimeError):
+class DeviceMemoryError(PagedKvError, RuntimeError):
     """A backend memory operation was refused: unknown pointer, range past its allocation, double free."""
 
 
@@ -21,7 +28,7 @@ class DeviceOutOfMemory(DeviceMemoryError, MemoryError):
     """An allocation larger than the backend's free memory."""
 
 
-class TeardownError(RuntimeError):
+class TeardownError(PagedKvError, RuntimeError):
     """One or more resources failed to release; the message lists each label and its error."""
 
     def __init__(self, failures: list[tuple[str, BaseException]]):

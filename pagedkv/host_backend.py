@@ -70,7 +70,10 @@ class HostBackend:
         return DevicePtr(base)
 
     def free(self, ptr: DevicePtr) -> None:
-        """Free the allocation starting at `ptr`; anything else raises DeviceMemoryError."""
+        """Free the allocation starting at `ptr`; TypeError naming a non-address (None, a
+        float, a bool), DeviceMemoryError for any other address."""
+        if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)):
+            raise TypeError(f"free takes a DevicePtr returned by alloc, got {type(ptr).__name__} {ptr!r:.60}")
         base = int(ptr)
         arr = self._arrays.pop(base, None)
         if arr is None:

@@ -341,13 +341,13 @@ class PrefixCache:
     def _evict_chosen(self, chosen: list[tuple[int, _Node]]) -> list[int]:
         blocks, hashes = [], []
         for _, node in chosen:
+            self._cache.return_evicted_block(node.block)  # while still held, as the cache requires
+        for _, node in chosen:
             del node.parent.children[node.tokens]
             del self._by_block[node.block]
             blocks.append(node.block)
             hashes.append(node.hash)
             node.block = None
-        for block in blocks:
-            self._cache.return_evicted_block(block)
         self._evictions += len(blocks)
         if blocks:
             _log.debug("prefix_cache_evicted", blocks=len(blocks))
@@ -371,17 +371,21 @@ class PrefixCache:
         self._evict_chosen(chosen)
         return True
 
+    def deliver_events(self) -> None:
+        """The cache's cue that an allocating operation has completed (events are delivered
+        as they happen today)."""
+
     def clear(self) -> None:
         """Forget every cached block, handing back the cache's references (blocks that
         sequences still hold stay with them)."""
         blocks = list(self._by_block)
+        for block in blocks:
+            self._cache.return_evicted_block(block)  # while still held, as the cache requires
         for node in self._by_block.values():
             node.block = None
         self._roots.clear()
         self._by_block.clear()
         self._heap = []
-        for block in blocks:
-            self._cache.return_evicted_block(block)
         _log.info("prefix_cache_cleared", blocks=len(blocks))
         if self._on_event is not None:
             self._on_event(AllBlocksCleared())

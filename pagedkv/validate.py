@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 
 def as_int(value: object, what: str) -> int:
     """`value` as a Python int (numpy integers accepted); TypeError naming `what` for a
@@ -48,3 +50,64 @@ def index_in_range(value: object, size: int, what: str, of: str) -> int:
     if not 0 <= index < size:
         raise IndexError(f"{what} {index} out of range for {of}")
     return index
+
+
+MAX_TOKEN_ID = 2**63 - 1
+"""The largest token id: ids are ints in [0, 2**63), so every one fits an int64."""
+
+
+def token_ids(values: object, what: str = "tokens") -> list[int]:
+    """`values` (a sequence of ints, numpy integers included, or a 1-D integer numpy array)
+    as a new list of Python ints, each in [0, 2**63). TypeError naming `what` and the value
+    for None, a str/bytes, a non-sequence, a bool, a float or another non-integer entry;
+    ValueError naming the entry's position and value for an id outside the range."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not (values.size == 0 or np.issubdtype(values.dtype, np.integer)):
+            raise TypeError(
+                f"{what} must be a 1-D integer array, got dtype {values.dtype} of shape {values.shape}"
+            )
+        values = values.tolist()
+    elif isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__") or not hasattr(
+        values, "__iter__"
+    ):
+        raise TypeError(f"{what} must be a sequence of int token ids, got {type(values).__name__} {values!r:.80}")
+    out = list(values)  # type: ignore[call-overload]
+    if set(map(type, out)) - {int}:
+        for i, t in enumerate(out):
+            if type(t) is not int:
+                if isinstance(t, (bool, float)) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(f"{what}[{i}] must be an int token id, got {t!r}")
+                out[i] = int(t)
+    if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
+        for i, t in enumerate(out):
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(f"{what}[{i}] is {t}: token ids must lie in [0, 2**63)")
+    return out
+
+
+def block_index(value: object, num_blocks: int) -> int:
+    """`value` as an int block index in [0, num_blocks); TypeError for a non-int (a bool
+    included), IndexError naming the index and the cache size otherwise."""
+    if type(value) is not int:
+        value = as_int(value, "block index")
+    if not 0 <= value < num_blocks:  # type: ignore[operator]
+        raise IndexError(f"block {value} out of range for a cache of {num_blocks} blocks")
+    return value  # type: ignore[return-value]
+
+
+def block_list(blocks: object, num_blocks: int, what: str = "blocks") -> list[int]:
+    """`blocks` (an iterable of int indices, or a 1-D integer numpy array) as a new list of
+    Python ints, each in [0, num_blocks); the first bad entry is named: TypeError for None,
+    a str or a non-int entry, IndexError for an index out of range. Checked at C speed when
+    every entry is a plain int."""
+    if isinstance(blocks, np.ndarray):
+        if blocks.ndim != 1 or not (blocks.size == 0 or np.issubdtype(blocks.dtype, np.integer)):
+            raise TypeError(f"{what} must be a 1-D integer array, got dtype {blocks.dtype} of shape {blocks.shape}")
+        out = blocks.tolist()
+    else:
+        if blocks is None or isinstance(blocks, (str, bytes, bytearray)) or not hasattr(blocks, "__iter__"):
+            raise TypeError(f"{what} must be a sequence of int block indices, got {type(blocks).__name__} {blocks!r:.80}")
+        out = list(blocks)  # type: ignore[call-overload]
+    if out and (set(map(type, out)) != {int} or min(out) < 0 or max(out) >= num_blocks):
+        out = [block_index(b, num_blocks) for b in out]
+    return out

@@ -7,7 +7,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from pagedkv import HostBackend, reload_flags
+from pagedkv import HostBackend
+from pagedkv.env import reload_flags
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -68,3 +69,31 @@ def env_flags(monkeypatch):
     yield set_flags
     monkeypatch.undo()
     reload_flags()
+
+
+class HeldSet:
+    """The smallest real `BlockReclaimer`: it holds the blocks in `held` (the test puts them
+    there with their reference), evicts nothing, and counts what the allocator tells it."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.sole: list[int] = []
+        self.delivered = 0
+
+    def reclaim(self, n: int) -> bool:
+        return False
+
+    def on_sole_reference(self, block: int) -> None:
+        self.sole.append(block)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self.held
+
+    def deliver_events(self) -> None:
+        self.delivered += 1
+
+
+@pytest.fixture
+def held_set():
+    """A fresh `HeldSet` reclaimer (attach it with `cache.attach_prefix_cache`)."""
+    return HeldSet()

@@ -7,6 +7,7 @@ from structlog.testing import capture_logs
 from pagedkv import (
     KvCacheConfig,
     KvCacheDtype as D,
+    KvCacheError,
     KvCacheExhausted,
     PagedKvCache,
     RefCountError,
@@ -150,9 +151,11 @@ def test_free_blocks_checks_every_index_first(cache):
     assert [cache.ref_count(b) for b in table] == [1, 1, 1]
 
 
-def test_return_evicted_block(cache):
+def test_return_evicted_block(cache, held_set):
+    cache.attach_prefix_cache(held_set)
     b = cache.alloc_block()
     cache.inc_ref(b)  # the prefix cache's own reference
+    held_set.held.add(b)
     cache.return_evicted_block(b)
     assert cache.ref_count(b) == 1 and cache.num_free_blocks() == 7
     cache.return_evicted_block(b)
@@ -161,6 +164,7 @@ def test_return_evicted_block(cache):
         assert cache.return_evicted_block(b) is None  # at zero: a warning, nothing else
     assert [(e["event"], e["log_level"], e["block"]) for e in logs] == [("kv_return_evicted_at_zero", "warning", b)]
     assert cache.num_free_blocks() == 8
+    held_set.held.discard(b)
     cache.check_invariants()
     assert cache.alloc_blocks(8) == list(range(8))
 
@@ -289,7 +293,9 @@ def test_geometry_asymmetric_and_mixed(gpu):
 
 
 def fill_random(cache, gpu, rng):
-    """Write random bytes to every block of every layer; return {(layer, block): (k, v)}."""
+    """Allocate every free block (only held blocks may be written), write random bytes to
+    every block of every layer; return {(layer, block): (k, v)}."""
+    cache.alloc_blocks(cache.num_free_blocks())
     contents = {}
     for layer in range(cache.num_layers()):
         for b in range(cache.num_blocks()):
@@ -478,7 +484,7 @@ def test_free_blocks_listing_a_block_too_often_changes_nothing(cache):
 
 def test_bools_are_not_block_indices(cache, gpu):
     for blocks in ([True, 1], [0, False]):
-        with pytest.raises(TypeError, match="block indices must be ints"):
+        with pytest.raises(TypeError, match="block index must be an int, got (True|False)"):
             cache.zero_blocks(blocks, gpu, gpu.default_stream())
     with pytest.raises(TypeError, match="block index must be an int, got True"):
         cache.ref_count(True)
@@ -497,3 +503,36 @@ def test_numpy_integers_are_indices_and_counts(gpu):
             c.k_pool_ptr(np.int64(-1))
     finally:
         c.release(gpu)
+
+
+# -- defect 4: write_block and copy_blocks write only held, unshared blocks -----------
+
+
+def test_write_block_refuses_a_free_block(gpu, cache):
+    cache.zero_blocks(range(8), gpu, gpu.default_stream())
+    gpu.synchronize(gpu.default_stream())
+    with pytest.raises(RefCountError, match=r"write into free block 3 \(count 0\): allocate it first"):
+        cache.write_block(0, 3, b"\x01", b"\x02", gpu)
+    assert not any(cache.read_block(0, 3, gpu)[0]) and not any(cache.read_block(0, 3, gpu)[1])
+
+
+def test_write_block_and_copy_blocks_refuse_a_cached_block(gpu, cache):
+    from pagedkv import PrefixCache
+
+    prefix = PrefixCache(cache)
+    blocks = cache.alloc_blocks(3)
+    cache.zero_blocks(range(8), gpu, gpu.default_stream())  # device memory starts undefined
+    gpu.synchronize(gpu.default_stream())
+    cache.write_block(0, blocks[0], b"\x07", None, gpu)
+    prefix.insert([1, 2, 3, 4], blocks[:1])
+    with pytest.raises(KvCacheError, match=f"write into block {blocks[0]}, which the prefix cache holds"):
+        cache.write_block(1, blocks[0], b"\x09", None, gpu)
+    with pytest.raises(KvCacheError, match=f"write into block {blocks[0]}, which the prefix cache holds"):
+        cache.copy_blocks([(blocks[1], blocks[0])], gpu, gpu.default_stream())
+    with pytest.raises(RefCountError, match=r"write into free block 5 \(count 0\)"):
+        cache.copy_blocks([(blocks[1], 5)], gpu, gpu.default_stream())
+    # copy-on-write: the cached block is a fine source
+    cache.copy_blocks([(blocks[0], blocks[2])], gpu, gpu.default_stream())
+    gpu.synchronize(gpu.default_stream())
+    assert cache.read_block(0, blocks[2], gpu)[0][0] == 7
+    assert cache.read_block(1, blocks[0], gpu)[0][0] == 0 and not cache.read_block(0, 5, gpu)[0].any()

@@ -60,9 +60,9 @@ def test_plan_lists_only_the_formats_that_fit_and_names_the_others(capsys):
     rows = _rows("\n".join(lines[:4]))
     assert list(rows) == ["bf16", "fp8"]
     assert rows["bf16"][2] == "12.0"  # 2 sides * 3 elements * 2 bytes
-    refused = [line for line in lines[4:]]
-    assert len(refused) == 14 and all(line.startswith("not listed: ") for line in refused)
-    assert refused[0].startswith("not listed: nvfp4 (") and "not a multiple of 16" in refused[0]
+    grouped = ", ".join(str(d) for d in KvCacheDtype if d.is_grouped())
+    assert lines[4:] == [f"not listed: {grouped} (layer 0: its format stores 16-element groups within a head "
+                         "but head_dim is 3, not a multiple of 16 (a group would straddle two heads))"]
 
 
 def test_plan_head_dim_100_lists_only_the_ungrouped_formats(capsys):
@@ -70,8 +70,8 @@ def test_plan_head_dim_100_lists_only_the_ungrouped_formats(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[0] for line in lines[2:4]] == ["bf16", "fp8"]
     grouped = [str(d) for d in KvCacheDtype if d.is_grouped()]
-    assert lines[4:] == [f"not listed: {', '.join(grouped)} (16-element groups need head_dim a multiple of 16; "
-                         "layer 0 has head_dim 100)"]
+    assert lines[4:] == [f"not listed: {', '.join(grouped)} (layer 0: its format stores 16-element groups "
+                         "within a head but head_dim is 100, not a multiple of 16 (a group would straddle two heads))"]
 
 
 @pytest.mark.parametrize("bad, named", [
@@ -79,7 +79,7 @@ def test_plan_head_dim_100_lists_only_the_ungrouped_formats(capsys):
     (["--memory", "1GiB", "--dtype", "fp16"], "'fp16'"),
     (["--memory", "1GiB", "--layer-dims", "8by128"], "'8by128'"),
     (["--memory", "1GiB", "--head-dim", "100", "--dtype", "bf16,nvfp4"], "--dtype nvfp4"),
-    (["--memory", "1GiB", "--head-dim", "100", "--layer-dtypes", "turbo4"], "layer 0 is turbo4"),
+    (["--memory", "1GiB", "--head-dim", "100", "--layer-dtypes", "turbo4"], "layer 0: turbo4 stores 16-element groups"),
     (["--memory", "1GiB", "--layer-dtypes", "bf16,bf16,fp8"], "--layer-dtypes lists 3 formats but --layers is 2"),
     (["--memory", "1GiB", "--layer-dims", "8x64,8x64,8x64"], "--layer-dims lists 3 pairs but --layers is 2"),
     (["--memory", "1GiB", "--layers", "0"], "--layers: must be a positive integer, got '0'"),

@@ -198,3 +198,9 @@ def test_turbo_rotates_each_head_vector_before_encoding(fmt, head_dim):
 def test_non_turbo_formats_never_rotate(fmt):
     x = np.random.default_rng(1).standard_normal((2, 1, 128)).astype(np.float32)
     assert encode(x, fmt) == encode(x, fmt, rotate=False)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "turbo4", "turbo8"])
+def test_encode_of_zero_tokens_names_the_shape(fmt):
+    with pytest.raises(ValueError, match=r"^values holds 0 tokens \(shape \(0, 2, 128\)\): a block side to encode needs at least one$"):
+        encode(np.zeros((0, 2, 128), np.float32), fmt)

@@ -224,10 +224,13 @@ def test_bad_layer_dims_entry_names_it(dims, match):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "turbo4", "turbo3", "turbo2", "turbo8", "bf16k_turbo4v", "fp8k_turbo2v"])
-def test_grouped_format_needs_multiple_of_16_elements(fmt):
+def test_grouped_format_needs_head_dim_multiple_of_16(fmt):
     # 1 x 3 x 8 = 24 elements: turbo3 would silently floor 24/16 scales; it must refuse.
-    with pytest.raises(ValueError, match=r"layer 0: .*24 elements"):
+    with pytest.raises(ValueError, match=r"layer 0: .*head_dim is 8, not a multiple of 16"):
         cfg(fmt, layers=1, block_size=1, heads=3, head_dim=8)
+    # 16 x 1 x 8 = 128 elements groups evenly, but each group would straddle two heads
+    with pytest.raises(ValueError, match=r"layer 0: .*head_dim is 8, not a multiple of 16"):
+        cfg(fmt, layers=1, block_size=16, heads=1, head_dim=8)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -242,7 +245,7 @@ def test_grouped_check_names_the_offending_layer_from_layer_dtypes():
 
 
 def test_grouped_check_names_the_offending_layer_from_layer_dims():
-    with pytest.raises(ValueError, match=r"^layer 1: turbo4 .*block_size 1 x 1 heads x head_dim 8"):
+    with pytest.raises(ValueError, match=r"^layer 1: turbo4 .*head_dim is 8, not a multiple of 16"):
         cfg("turbo4", layers=3, block_size=1, heads=1, head_dim=16, layer_dims=[(1, 16), (1, 8)])
 
 
@@ -284,3 +287,38 @@ def test_totals_match_the_table(block_size, dims, fmts, extra_layers, available)
     assert c.block_bytes_kv_all_layers() == total
     n = PagedKvCache.compute_num_blocks(c, available)
     assert n * total <= available < (n + 1) * total
+
+
+# -- defect 11: grouped formats and sizes refused at construction ----------------------
+
+
+def test_grouped_format_with_head_dim_100_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"^layer 0: turbo4 .*head_dim is 100, not a multiple of 16"):
+        KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=100, num_layers=2, dtype="turbo4")
+    # an asymmetric format with one grouped side is refused too; bf16 and fp8 take any head_dim
+    with pytest.raises(ValueError, match=r"^layer 0: bf16k_turbo4v .*head_dim is 100"):
+        KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=100, num_layers=2, dtype="bf16k_turbo4v")
+    assert KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=100, num_layers=2, dtype="fp8").block_bytes() == 12800
+
+
+@pytest.mark.parametrize(
+    "field, bound",
+    [("block_size", 2**16), ("num_kv_heads", 2**12), ("head_dim", 2**14), ("num_layers", 2**12)],
+)
+def test_sizes_past_their_bound_are_refused_at_once(field, bound):
+    base = dict(block_size=16, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16")
+    for value in (bound + 1, 2**63):
+        with pytest.raises(ValueError, match=f"^{field} is {value}, past the bound of {bound}$"):
+            KvCacheConfig(**{**base, field: value})
+    at_bound = KvCacheConfig(**{**base, field: bound})
+    assert getattr(at_bound, field) == bound
+
+
+def test_layer_dims_and_window_past_their_bound_are_refused():
+    base = dict(block_size=16, num_kv_heads=1, head_dim=16, num_layers=2, dtype="bf16")
+    with pytest.raises(ValueError, match=r"^layer_dims\[1\] head_dim is 9223372036854775808, past the bound of 16384$"):
+        KvCacheConfig(**base, layer_dims=[(1, 16), (1, 2**63)])
+    with pytest.raises(ValueError, match=r"^layer_dims\[0\] num_kv_heads is 4097, past the bound of 4096$"):
+        KvCacheConfig(**base, layer_dims=[(4097, 16)])
+    with pytest.raises(ValueError, match=r"^cache_blocks_per_seq is 2147483649, past the bound of 2147483648$"):
+        KvCacheConfig(**base, cache_blocks_per_seq=2**31 + 1)

@@ -13,7 +13,9 @@ EVENT_KEYS = {"event", "log_level", "component", "tag", "layer", "region", "side
 
 def make(gpu, dtype="bf16", layers=3, **kw):
     cfg = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=16, num_layers=layers, dtype=dtype, **kw)
-    return PagedKvCache(cfg, BLOCKS, gpu)
+    cache = PagedKvCache(cfg, BLOCKS, gpu)
+    cache.alloc_blocks(BLOCKS)  # only held blocks may be written
+    return cache
 
 
 def bf16_values(n, rng, dyadic=True):

@@ -105,6 +105,7 @@ def test_read_only_view_sets_the_flag_and_refuses_the_legacy_capsule(host, cache
 
 def test_copy_true_exports_a_flagged_copy_and_copy_false_shares(host, caches):
     cache = caches("nvfp4")
+    cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_block(0, 2, np.arange(72, dtype=np.uint8), None, host)
     view = cache.k_view(0, host)
     copied = view.__dlpack__(max_version=(1, 1), copy=True)
@@ -165,6 +166,7 @@ def test_a_consumed_capsule_is_left_to_its_consumer(host, caches):
 
 def test_host_memory_stays_alive_while_a_consumer_holds_it(host, caches):
     cache = caches("nvfp4")
+    cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_block(1, 3, np.full(72, 9, dtype=np.uint8), None, host)
     array = np.from_dlpack(cache.k_view(1, host))
     cache.release(host)

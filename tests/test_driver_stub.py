@@ -505,6 +505,8 @@ def test_paged_cache_on_stub_matches_host_backend(stub_env):
         host = HostBackend(1 << 24)
         with CudaBackend() as gpu:
             caches = [PagedKvCache(config, 12, gpu), PagedKvCache(config, 12, host)]
+            for cache in caches:
+                cache.alloc_blocks(12)  # only held blocks may be written
             for layer in range(3):
                 for block in range(12):
                     k = rng.integers(0, 256, config.k_block_bytes_for_layer(layer), dtype=np.uint8)

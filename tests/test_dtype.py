@@ -116,3 +116,23 @@ def test_is_grouped():
     assert not D.FP8.is_grouped()
     assert all(D.parse(n).is_grouped() for n in ("nvfp4", "turbo4", "turbo3", "turbo2", "turbo8"))
     assert all(row[0].is_grouped() for row in ASYMMETRIC.values())
+
+
+def test_side_formats_is_the_one_table():
+    from pagedkv import SIDE_FORMATS, SideFormat
+    from pagedkv.dtype import side_spec
+
+    assert SIDE_FORMATS == {
+        D.BF16: SideFormat(16, 0, False, "bf16"),
+        D.FP8: SideFormat(8, 0, False, "e4m3"),
+        D.NVFP4: SideFormat(4, 1, False, "nvfp4"),
+        D.TURBO4: SideFormat(4, 1, True, "turbo"),
+        D.TURBO3: SideFormat(3, 1, True, "turbo"),
+        D.TURBO2: SideFormat(2, 1, True, "turbo"),
+        D.TURBO8: SideFormat(8, 2, True, "turbo8"),
+    }
+    assert [SIDE_FORMATS[f].bits for f in SIDE_FORMATS] == [16.0, 8.0, 4.5, 4.5, 3.5, 2.5, 9.0]
+    assert [f for f in SIDE_FORMATS if SIDE_FORMATS[f].grouped] == [D.NVFP4, D.TURBO4, D.TURBO3, D.TURBO2, D.TURBO8]
+    assert [f for f in D if f.is_wht_rotated()] == [D.TURBO4, D.TURBO3, D.TURBO2, D.TURBO8]
+    with pytest.raises(ValueError, match="turbo4k_turbo3v is not a side format; use kv_pair"):
+        side_spec(D.TURBO4K_TURBO3V)

@@ -436,3 +436,12 @@ def test_host_copy_d2h_refuses_read_only_array(host):
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         host.copy_d2h(p, frozen)
+
+
+def test_free_of_a_non_address_names_it(host):
+    ptr = host.alloc(64)
+    for bad, shown in ((None, "NoneType None"), (1.5, "float 1.5"), (True, "bool True"), ("0x7f", "str '0x7f'")):
+        with pytest.raises(TypeError, match=f"^free takes a DevicePtr returned by alloc, got {shown}"):
+            host.free(bad)
+    assert host.live_allocations() == 1
+    host.free(ptr)

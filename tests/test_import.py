@@ -1,5 +1,6 @@
 """Importing pagedkv needs no GPU, loads no CUDA library, and exposes every public name."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -60,14 +61,35 @@ def test_issue_names_are_exported():
 def test_all_names_resolve_and_are_documented():
     for name in pagedkv.__all__:
         obj = getattr(pagedkv, name)
-        if callable(obj):
+        if inspect.isclass(obj) or inspect.isfunction(obj):
             assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
 
 
 def test_public_methods_have_docstrings():
     for cls in (pagedkv.PagedKvCache, pagedkv.KvCacheConfig, pagedkv.KvCacheDtype, pagedkv.HostBackend,
-                pagedkv.DevicePtr, pagedkv.Teardown, pagedkv.BlockRegions):
+                pagedkv.DevicePtr, pagedkv.Teardown, pagedkv.BlockRegions, pagedkv.BlockAllocator,
+                pagedkv.KvPools, pagedkv.SideFormat):
         for attr, value in vars(cls).items():
             if attr.startswith("_") or not callable(getattr(value, "__func__", value)):
                 continue
             assert (getattr(value, "__func__", value).__doc__ or "").strip(), f"{cls.__name__}.{attr} has no docstring"
+
+
+def test_public_api_is_sorted_and_complete():
+    assert pagedkv.__all__ == sorted(pagedkv.__all__)
+    assert len(set(pagedkv.__all__)) == len(pagedkv.__all__)
+    for name in ("PagedKvError", "PrefixCacheEvent", "SKIP_SLOT", "BlockAllocator", "BlockReclaimer", "KvPools",
+                 "SIDE_FORMATS", "SideFormat", "token_ids", "chain_hash", "root_hash", "Exported", "PageTable"):
+        assert name in pagedkv.__all__, name
+    assert pagedkv.SKIP_SLOT == -1
+    # every public class, function and constant of the core modules is exported
+    from pagedkv import allocator, cache, errors, pools, prefix_cache, sequence_table
+
+    for module in (allocator, cache, errors, pools, prefix_cache, sequence_table):
+        for name, obj in vars(module).items():
+            if not name.startswith("_") and inspect.isclass(obj) and obj.__module__ == module.__name__:
+                assert name in pagedkv.__all__, f"{module.__name__}.{name}"
+
+
+def test_test_hooks_are_not_public():
+    assert "reload_flags" not in pagedkv.__all__ and not hasattr(pagedkv, "reload_flags")

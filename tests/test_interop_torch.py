@@ -33,6 +33,7 @@ def test_torch_reads_a_bf16_layer_as_bfloat16_blocks_zero_copy(host):
     assert row.tolist() == torch.arange(16, dtype=torch.bfloat16).view(torch.int16).tolist()
     assert k_bytes.sum() == row.view(np.uint8).sum() and v_bytes.sum() == 0
     rows = np.full((1, 2, 16), -1.5, dtype=np.float32)  # pagedkv writes, torch reads
+    cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_tokens(1, [4 * 4 + 0], rows, rows, host, 0)
     assert k[4, 0].float().tolist() == rows[0].tolist()
     assert torch.from_dlpack(cache.v_view(1, host))[4, 0].float().tolist() == rows[0].tolist()

@@ -62,3 +62,13 @@ def test_readme_command_line_examples_do_what_it_says(monkeypatch, capsys):
         assert main(bad) == 2, bad
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1
+
+
+def test_every_path_in_the_layout_table_exists():
+    text = README.read_text()
+    table = text[text.index("## Layout"):]
+    rows = "\n".join(line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `"))
+    named = re.findall(r"`((?:pagedkv|tools)/[^`]*)`", rows)
+    assert "pagedkv/allocator.py" in named and "pagedkv/kv_rows.py" in named
+    missing = [p for p in named if not (README.parent / p).exists()]
+    assert missing == []

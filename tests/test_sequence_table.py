@@ -29,9 +29,8 @@ def counts(cache):
 
 
 def fill_block(cache, gpu, block, value):
-    for layer in range(cache.num_layers()):
-        data = np.full(cache.k_block_stride_bytes_for_layer(layer), value, dtype=np.uint8)
-        cache.write_block(layer, block, data, data, gpu)
+    cache.fill_blocks([block], value, gpu, gpu.default_stream())  # a free block: write_block refuses it
+    gpu.synchronize(gpu.default_stream())
 
 
 def block_bytes(cache, gpu, block, layer=0):

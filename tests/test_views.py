@@ -59,6 +59,7 @@ def test_packed_view_is_zero_copy_both_ways_through_numpy(host):
     data = np.from_dlpack(cache.k_view(1, host).data_view())
     scales = np.from_dlpack(cache.k_view(1, host).scale_view())
     written = RNG.integers(0, 256, 72, dtype=np.uint8)
+    cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_block(1, 3, written, None, host)  # pagedkv writes, the consumer sees
     assert pool[3].tolist() == written.tolist()
     assert data[3].reshape(-1).tolist() == written[:64].tolist()
@@ -74,6 +75,7 @@ def test_packed_view_is_zero_copy_both_ways_through_numpy(host):
 def test_data_and_scale_views_hold_what_write_tokens_encoded(host):
     cache = _cache(host, "turbo4")
     rows = RNG.standard_normal((2, 2, 16)).astype(np.float32)
+    cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_tokens(0, [4 * 4 + 1, 2 * 4 + 3], rows, rows, host, 0)
     expected = np.frombuffer(encode(rows[:1], "turbo4"), dtype=np.uint8)  # one token: 16 data + 2 scale bytes
     view = cache.v_view(0, host)
@@ -96,6 +98,7 @@ def test_v_view_is_the_k_view_under_v_aliases_k(host):
 def test_bf16_view_values_are_what_write_tokens_wrote(host):
     cache = _cache(host, "bf16")
     rows = RNG.standard_normal((1, 2, 16)).astype(ml_dtypes.bfloat16)
+    cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_tokens(1, [3 * 4 + 2], rows, rows, host, 0)
     assert cache.k_view(1, host).host_array()[3, 2].tolist() == rows[0].tolist()
     cache.release(host)
@@ -286,6 +289,7 @@ def test_cuda_views_capsules_cai_and_stream_waits_over_the_stub(stub_env):
                 raise AssertionError("stream 0 accepted")
 
             # copies to the host: dl_device=(1, 0), or refused with copy=False
+            cache.alloc_blocks(3)  # blocks 0-2: writes go only into held blocks
             cache.write_block(0, 2, np.arange(128, dtype=np.uint8), np.full(72, 5, dtype=np.uint8), gpu)
             host_copy = np.from_dlpack(cache.v_view(0, gpu).data_view(), device="cpu")
             assert host_copy.shape == (6, 4, 16) and host_copy[2].reshape(-1).tolist() == [5] * 64

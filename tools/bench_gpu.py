@@ -89,6 +89,7 @@ def run(args) -> None:
         print(f"device: {gpu.device_name}, sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]}, {gpu.sm_count} SMs")
         config = KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=128, num_layers=64, dtype="bf16")
         cache = PagedKvCache(config, FILL_BLOCKS + COPY_PAIRS, gpu)
+        cache.alloc_blocks(FILL_BLOCKS + COPY_PAIRS)  # only held blocks may be written
         stream = gpu.create_stream()
         timer = EventTimer(stream)
         floors = Floors()

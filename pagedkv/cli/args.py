@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import PagedKvError
+
 USAGE_ERROR = 2
 """The exit status of a command line refused for a bad argument."""
 
 
-class UsageError(Exception):
+class UsageError(PagedKvError):
     """A bad argument found after parsing (a value the parser cannot judge alone); the command
     line prints `pagedkv <command>: <message>` on stderr and exits with USAGE_ERROR."""
 

@@ -21,7 +21,7 @@ import structlog
 from ..backend import GpuBackend
 from ..cache import POISON_BYTE, PagedKvCache
 from ..config import KvCacheConfig
-from ..errors import DeviceOutOfMemory
+from ..errors import DeviceOutOfMemory, PagedKvError
 from ..host_backend import HostBackend, bf16_bytes_to_float64
 from ..prefix_cache import PrefixCache
 from ..sequence_table import SequenceTable
@@ -45,7 +45,7 @@ def best_backend() -> tuple[GpuBackend, str]:
     return HostBackend(capacity_bytes=4 << 30), "HostBackend (no CUDA GPU found: device memory emulated in host RAM)"
 
 
-class CheckFailed(Exception):
+class CheckFailed(PagedKvError):
     """A demo check found a wrong result (raised by `_expect`, so it holds under `python -O`)."""
 
 

@@ -71,28 +71,10 @@ class PlanRow:
     tokens: int
 
 
-def misfit(config: KvCacheConfig) -> str | None:
-    """Why `config` cannot store its KV (a grouped format on a layer whose head_dim is not a
-    multiple of 16: its groups would straddle heads), or None when it can."""
-    distinct = max(len(config.layer_dtypes), len(config.layer_dims))
-    layers = range(min(config.num_layers, distinct + 1))
-    for layer in layers:
-        fmt = config.dtype_for_layer(layer)
-        head_dim = config.dims_for_layer(layer)[1]
-        if fmt.is_grouped() and head_dim % 16:
-            if layer < len(config.layer_dtypes):
-                return f"layer {layer} is {fmt}, whose 16-element groups need head_dim a multiple of 16, not {head_dim}"
-            return f"16-element groups need head_dim a multiple of 16; layer {layer} has head_dim {head_dim}"
-    return None
-
-
 def config_for(base: dict, dtype: KvCacheDtype) -> KvCacheConfig:
-    """KvCacheConfig(dtype=dtype, **base); ValueError saying why when it cannot store its KV."""
-    config = KvCacheConfig(dtype=dtype, **base)
-    reason = misfit(config)
-    if reason:
-        raise ValueError(reason)
-    return config
+    """KvCacheConfig(dtype=dtype, **base); ValueError saying why when it cannot store its KV
+    (for example a grouped format on a head_dim that is not a multiple of 16)."""
+    return KvCacheConfig(dtype=dtype, **base)
 
 
 def plan_row(config: KvCacheConfig, memory: int) -> PlanRow:
@@ -104,13 +86,14 @@ def plan_row(config: KvCacheConfig, memory: int) -> PlanRow:
 
 def plan_rows(base: dict, dtypes: list[KvCacheDtype], memory: int) -> tuple[list[PlanRow], dict[KvCacheDtype, str]]:
     """A row per format of `dtypes` that can store KV with the config keyword arguments
-    `base` (without `dtype`), and for each other format the reason it cannot."""
+    `base` (without `dtype`), and for each other format the reason it cannot, the format's
+    own name replaced by "its format" so that formats refused for one reason share it."""
     rows, refused = [], {}
     for dtype in dtypes:
         try:
             rows.append(plan_row(config_for(base, dtype), memory))
         except ValueError as err:
-            refused[dtype] = str(err)
+            refused[dtype] = str(err).replace(f" {dtype} ", " its format ")
     return rows, refused
 
 

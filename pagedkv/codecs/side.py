@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..dtype import GROUP_SIZE, KvCacheDtype, side_bytes, side_data_bytes
+from ..dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, side_bytes, side_data_bytes
 from . import groups
 from .codebooks import turbo_codebook
 from .floats import bf16_decode, bf16_encode, e4m3_decode, e4m3_encode
@@ -18,22 +18,11 @@ from .packing import pack, unpack
 from .rotation import rotate as _rotate
 from .rotation import unrotate as _unrotate
 
-_PACKED_BITS = {KvCacheDtype.NVFP4: 4, KvCacheDtype.TURBO4: 4, KvCacheDtype.TURBO3: 3, KvCacheDtype.TURBO2: 2}
-_SIDE_FORMATS = (
-    KvCacheDtype.BF16,
-    KvCacheDtype.FP8,
-    KvCacheDtype.NVFP4,
-    KvCacheDtype.TURBO4,
-    KvCacheDtype.TURBO3,
-    KvCacheDtype.TURBO2,
-    KvCacheDtype.TURBO8,
-)
-
 
 def side_format(fmt: "KvCacheDtype | str") -> KvCacheDtype:
     """`fmt` parsed and checked to be one of the seven symmetric side formats."""
     parsed = KvCacheDtype.parse(fmt)
-    if parsed not in _SIDE_FORMATS:
+    if parsed not in SIDE_FORMATS:
         k, v = parsed.kv_pair()
         raise ValueError(
             f"{parsed} is asymmetric: encode each side in its own format ({k} for K, {v} for V, "
@@ -103,25 +92,28 @@ def encode(values, fmt, *, scale: float = 1.0, rotate: bool = True) -> bytes:
     fmt = side_format(fmt)
     x = as_float32_values(values)
     tokens, heads, head_dim = x.shape
+    if tokens == 0:
+        raise ValueError(f"values holds 0 tokens (shape {x.shape}): a block side to encode needs at least one")
     check_side_geometry(fmt, heads, head_dim)
     scale = check_scale(scale)
     if fmt.is_wht_rotated() and rotate:
         x = _rotate(x)
     rows = x.reshape(tokens, heads * head_dim)
-    if fmt is KvCacheDtype.BF16:
+    spec = SIDE_FORMATS[fmt]
+    if spec.codec == "bf16":
         return bf16_encode(rows).astype("<u2").tobytes()
-    if fmt is KvCacheDtype.FP8:
+    if spec.codec == "e4m3":
         return e4m3_encode(rows / scale).tobytes()
     grouped = rows.reshape(tokens, -1, GROUP_SIZE)
-    if fmt is KvCacheDtype.TURBO8:
+    if spec.codec == "turbo8":
         data, scale_bits = groups.turbo8_encode(grouped)
         scale_bytes = scale_bits.astype("<u2").view(np.uint8)
     else:
-        if fmt is KvCacheDtype.NVFP4:
+        if spec.codec == "nvfp4":
             codes, scale_bytes = groups.nvfp4_encode(grouped)
         else:
             codes, scale_bytes = groups.turbo_encode(grouped, *turbo_codebook(fmt))
-        data = pack(codes.reshape(tokens, -1), _PACKED_BITS[fmt])
+        data = pack(codes.reshape(tokens, -1), spec.data_bits)
     return data.tobytes() + np.ascontiguousarray(scale_bytes).tobytes()
 
 
@@ -145,20 +137,21 @@ def decode(data, fmt, block_size: int, num_kv_heads: int, head_dim: int, *, scal
             f"{fmt} block side of {block_size} x {num_kv_heads} x {head_dim} is {expected} bytes, got {raw.size}"
         )
     shape = (block_size, num_kv_heads, head_dim)
-    if fmt is KvCacheDtype.BF16:
+    spec = SIDE_FORMATS[fmt]
+    if spec.codec == "bf16":
         return bf16_decode(raw.view("<u2")).reshape(shape)
-    if fmt is KvCacheDtype.FP8:
+    if spec.codec == "e4m3":
         return (e4m3_decode(raw) * scale).reshape(shape)
     data_bytes = side_data_bytes(fmt, block_size * n)
     body = raw[:data_bytes].reshape(block_size, -1)
     scales = raw[data_bytes:].reshape(block_size, n // GROUP_SIZE, -1)
-    if fmt is KvCacheDtype.TURBO8:
+    if spec.codec == "turbo8":
         scale_bits = scales.copy().view("<u2")[..., 0]
         x = groups.turbo8_decode(body.reshape(block_size, -1, GROUP_SIZE), scale_bits)
     else:
-        codes = unpack(body, _PACKED_BITS[fmt]).reshape(block_size, -1, GROUP_SIZE)
+        codes = unpack(body, spec.data_bits).reshape(block_size, -1, GROUP_SIZE)
         scale_bytes = scales[..., 0]
-        if fmt is KvCacheDtype.NVFP4:
+        if spec.codec == "nvfp4":
             x = groups.nvfp4_decode(codes, scale_bytes)
         else:
             x = groups.turbo_decode(codes, scale_bytes, turbo_codebook(fmt)[0])

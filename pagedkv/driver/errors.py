@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DeviceOutOfMemory
+from ..errors import DeviceOutOfMemory, PagedKvError
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
-class CudaError(RuntimeError):
+class CudaError(PagedKvError, RuntimeError):
     """A CUDA driver or NVRTC call failed: `call`, `status` (int), `status_name` and the
     driver's own message are kept; str() reads `cuMemAlloc failed: CUDA_ERROR_... (msg) detail`."""
 
@@ -32,7 +32,7 @@ class CudaOutOfMemory(CudaError, DeviceOutOfMemory):
     """CUDA_ERROR_OUT_OF_MEMORY: a CudaError that is also the backend-neutral DeviceOutOfMemory."""
 
 
-class CudaUnavailable(RuntimeError):
+class CudaUnavailable(PagedKvError, RuntimeError):
     """No usable CUDA here (no driver library, no device, or the driver refused to start);
     the message is one readable sentence."""
 

@@ -1,4 +1,5 @@
-"""write_tokens / read_tokens through the cache: every format, mixed layers, placement, errors."""
+"""write_tokens / read_tokens (pagedkv.kv_rows) through the cache: every format, mixed layers,
+placement, errors. Caches here hold every block, since only held blocks may be written."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def make_cache(gpu):
         cfg = KvCacheConfig(**{"block_size": BLOCK, "num_kv_heads": 2, "head_dim": 128, "num_layers": 1,
                                "dtype": "bf16", **kw})
         cache = PagedKvCache(cfg, 6, gpu)
+        cache.alloc_blocks(6)
         caches.append(cache)
         cache.poison_blocks(range(6), gpu, gpu.default_stream())
         return cache
@@ -183,21 +185,6 @@ def test_bad_writes_raise_and_write_nothing(gpu, make_cache, kwargs, error, word
             assert (raw_k == 0xFF).all() and (raw_v == 0xFF).all()
 
 
-def test_grouped_format_needs_head_dim_multiple_of_16(gpu):
-    cfg = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=8, num_layers=1, dtype="turbo4")
-    cache = PagedKvCache(cfg, 2, gpu)
-    cache.zero_blocks([0, 1], gpu, 0)  # device memory starts undefined
-    gpu.synchronize(0)
-    try:
-        with pytest.raises(ValueError, match="head_dim 8 is not a multiple of 16"):
-            cache.write_tokens(0, [0], np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32), gpu, 0)
-        with pytest.raises(ValueError, match="head_dim 8"):
-            cache.read_tokens(0, [0], gpu)
-        assert not cache.read_block(0, 0, gpu)[0].any()
-    finally:
-        cache.release(gpu)
-
-
 def test_read_errors(gpu, make_cache):
     cache = make_cache(dtype="turbo2")
     with pytest.raises(IndexError, match="slot 24 outside the cache"):
@@ -211,6 +198,7 @@ def test_read_errors(gpu, make_cache):
 def test_released_cache_refuses_tokens(gpu):
     cfg = KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype="fp8")
     cache = PagedKvCache(cfg, 2, gpu)
+    cache.alloc_blocks(2)
     cache.release(gpu)
     x = np.ones((1, 1, 16), np.float32)
     with pytest.raises(KvCacheError, match="released"):
@@ -238,6 +226,7 @@ def test_copies_are_one_per_run_and_section():
     gpu = CountingHost(capacity_bytes=1 << 24)
     cfg = KvCacheConfig(block_size=BLOCK, num_kv_heads=2, head_dim=128, num_layers=1, dtype="bf16k_turbo4v")
     cache = PagedKvCache(cfg, 6, gpu)
+    cache.alloc_blocks(6)
     x = values(np.random.default_rng(0), 8, 2, 128)
     slots = np.array([9, 8, 10, 11, 12, 13, 14, 2])  # runs: block 2 (8..11), block 3 (12..14), block 0 (2)
     cache.write_tokens(0, slots, x, x, gpu, 0)
@@ -267,3 +256,41 @@ def test_unsigned_slots_beyond_int64_are_refused(gpu, make_cache):
         cache.write_tokens(0, np.array([2**64 - 1], np.uint64), x, x, gpu, 0)
     cache.write_tokens(0, np.array([3], np.uint32), x, x, gpu, 0)
     np.testing.assert_array_equal(cache.read_tokens(0, np.array([3], np.int32), gpu)[0], codec_round_trip(x, "fp8"))
+
+
+# -- defect 4: only blocks the caller holds, and no shared (cached) block, are written -
+
+
+def test_write_tokens_refuses_a_free_block_and_writes_nothing(gpu):
+    cfg = KvCacheConfig(block_size=BLOCK, num_kv_heads=2, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(cfg, 4, gpu)
+    try:
+        held = cache.alloc_blocks(2)
+        cache.zero_blocks(range(4), gpu, 0)
+        gpu.synchronize(0)
+        x = np.ones((3, 2, 16), np.float32)
+        with pytest.raises(KvCacheError, match=r"write into free block 2 \(count 0\): allocate it first"):
+            cache.write_tokens(0, [held[0] * BLOCK, 2 * BLOCK + 1, held[1] * BLOCK], x, x, gpu, 0)
+        for block in range(4):
+            assert not cache.read_block(0, block, gpu)[0].any()
+    finally:
+        cache.release(gpu)
+
+
+def test_write_tokens_refuses_a_block_the_prefix_cache_holds(gpu):
+    from pagedkv import PrefixCache
+
+    cfg = KvCacheConfig(block_size=BLOCK, num_kv_heads=2, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(cfg, 4, gpu)
+    try:
+        prefix = PrefixCache(cache)
+        blocks = cache.alloc_blocks(2)
+        cache.zero_blocks(blocks, gpu, 0)
+        x = np.ones((1, 2, 16), np.float32)
+        cache.write_tokens(0, [blocks[1] * BLOCK], x, x, gpu, 0)  # held, not cached: fine
+        prefix.insert([1, 2, 3, 4], blocks[:1])  # block 0 is now shared KV
+        with pytest.raises(KvCacheError, match=r"write into block 0, which the prefix cache holds: shared KV is read-only, copy the block first"):
+            cache.write_tokens(0, [blocks[0] * BLOCK + 3], x, x, gpu, 0)
+        assert not cache.read_block(0, blocks[0], gpu)[0].any()
+    finally:
+        cache.release(gpu)

@@ -1,4 +1,4 @@
-"""Tokens in and out of a PagedKvCache: encode K and V rows into their blocks and read them back.
+"""KV rows in and out of the pools: encode token rows of K and V into their slots and decode them back.
 
 A slot is `block * block_size + offset`; -1 skips a token. Each side is encoded in its own
 side format (turbo sides rotated, see `pagedkv.codecs`), and only the touched data rows and
@@ -15,7 +15,7 @@ refused and nothing is written; rows whose slot is -1 are not inspected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
 
@@ -24,14 +24,12 @@ from .codecs import check_side_geometry, decode, encode
 from .codecs.side import as_float32_values, check_scale, require_finite
 from .dtype import KvCacheDtype, side_data_bytes, side_scale_bytes
 from .log import get_logger
-
-if TYPE_CHECKING:
-    from .cache import PagedKvCache
+from .pools import KvPools
 
 SKIP_SLOT = -1
 """The slot value of a token that is neither written nor read."""
 
-_log = get_logger("tokens")
+_log = get_logger("kv_rows")
 
 
 @dataclass(frozen=True)
@@ -69,15 +67,17 @@ class _Runs:
     stops: np.ndarray
 
 
-def _layer_geometry(cache: "PagedKvCache", layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
-    cache.k_pool_ptr(layer)  # validates the layer and that the cache is live
-    config = cache.config()
+def _layer_geometry(pools: KvPools, layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
+    pools.layer(layer)  # validates the layer and that the pools are live
+    config = pools.config()
     heads, head_dim = config.dims_for_layer(layer)
     k_fmt, v_fmt = config.dtype_for_layer(layer).kv_pair()
     return heads, head_dim, k_fmt, v_fmt
 
 
-def _slots(cache: "PagedKvCache", slots, num_tokens: int | None) -> np.ndarray:
+def _slots(pools: KvPools, slots, num_tokens: int | None) -> np.ndarray:
+    if slots is None or isinstance(slots, (str, bytes)):
+        raise TypeError(f"slots must be a 1-D sequence of int slots, got {type(slots).__name__} {slots!r:.60}")
     arr = np.asarray(slots)
     if arr.dtype == np.bool_ or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
         raise TypeError(f"slots must be integers (int64), got dtype {arr.dtype}")
@@ -88,13 +88,14 @@ def _slots(cache: "PagedKvCache", slots, num_tokens: int | None) -> np.ndarray:
     arr = arr.astype(np.int64)
     if num_tokens is not None and arr.size != num_tokens:
         raise ValueError(f"{arr.size} slots for {num_tokens} tokens")
-    limit = cache.num_blocks() * cache.block_size()
+    block_size = pools.config().block_size
+    limit = pools.num_blocks() * block_size
     bad = (arr < SKIP_SLOT) | (arr >= limit)
     if bad.any():
         value = int(arr[np.argmax(bad)])
         raise IndexError(
             f"slot {value} outside the cache: slots run 0..{limit - 1} "
-            f"({cache.num_blocks()} blocks x {cache.block_size()} tokens), -1 skips a token"
+            f"({pools.num_blocks()} blocks x {block_size} tokens), -1 skips a token"
         )
     valid = arr[arr != SKIP_SLOT]
     unique, counts = np.unique(valid, return_counts=True)
@@ -124,7 +125,7 @@ def _values(name: str, values, heads: int, head_dim: int, num_tokens: int | None
 
 
 def write_tokens(
-    cache: "PagedKvCache",
+    pools: KvPools,
     layer: int,
     slots,
     k,
@@ -133,29 +134,34 @@ def write_tokens(
     stream: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    check_blocks: Callable[[np.ndarray], None] | None = None,
 ) -> None:
     """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
     layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
     `k_scale`/`v_scale`). Everything is validated before the first byte is written; waits for
     `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Encoding runs on
     the host: on CudaBackend the rows are staged through host memory (synchronous
-    `copy_h2d`) until device write kernels exist."""
-    heads, head_dim, k_fmt, v_fmt = _layer_geometry(cache, layer)
-    aliased = cache.config().v_aliases_k
-    block_size = cache.block_size()
+    `copy_h2d`) until device write kernels exist. `check_blocks`, when given, is called with
+    the destination blocks (unique, sorted) before anything is written, and may raise to
+    refuse them."""
+    heads, head_dim, k_fmt, v_fmt = _layer_geometry(pools, layer)
+    aliased = pools.config().v_aliases_k
+    block_size = pools.config().block_size
     k_side = _Side.of(k_fmt, block_size, heads, head_dim)
     v_side = _Side.of(v_fmt, block_size, heads, head_dim)
     check_scale(k_scale), check_scale(v_scale)
     k_values = _values("k", k, heads, head_dim, None)
     num_tokens = k_values.shape[0]
     v_values = None if aliased and v is None else _values("v", v, heads, head_dim, num_tokens)
-    runs = _runs(_slots(cache, slots, num_tokens), block_size)
+    runs = _runs(_slots(pools, slots, num_tokens), block_size)
+    if check_blocks is not None:
+        check_blocks(np.unique(runs.blocks))
     require_finite(k_values, "k", runs.order)
     if v_values is not None:
         require_finite(v_values, "v", runs.order)
-    jobs = [(k_side, k_values, k_scale, cache.k_cache_ptr)]
+    jobs = [(k_side, k_values, k_scale, pools.k_block_ptr)]
     if not aliased:
-        jobs.append((v_side, v_values, v_scale, cache.v_cache_ptr))
+        jobs.append((v_side, v_values, v_scale, pools.v_block_ptr))
     encoded = [(side, _encode_rows(side, values[runs.order], scale), ptr) for side, values, scale, ptr in jobs]
     gpu.synchronize(stream)
     copies = 0
@@ -180,7 +186,7 @@ def _encode_rows(side: _Side, values: np.ndarray, scale: float) -> tuple[np.ndar
 
 
 def read_tokens(
-    cache: "PagedKvCache",
+    pools: KvPools,
     layer: int,
     slots,
     gpu: GpuBackend,
@@ -192,18 +198,18 @@ def read_tokens(
     slot gives a row of zeros. Turbo sides come back in the model's basis unless
     `unrotate=False`; fp8 sides are multiplied by `k_scale`/`v_scale`. Under `v_aliases_k`
     V is a copy of K."""
-    heads, head_dim, k_fmt, v_fmt = _layer_geometry(cache, layer)
-    aliased = cache.config().v_aliases_k
-    block_size = cache.block_size()
+    heads, head_dim, k_fmt, v_fmt = _layer_geometry(pools, layer)
+    aliased = pools.config().v_aliases_k
+    block_size = pools.config().block_size
     check_scale(k_scale), check_scale(v_scale)
-    arr = _slots(cache, slots, None)
+    arr = _slots(pools, slots, None)
     runs = _runs(arr, block_size)
     k_side = _Side.of(k_fmt, block_size, heads, head_dim)
-    k = _read_side(cache.k_cache_ptr, layer, k_side, runs, arr.size, (heads, head_dim), gpu, unrotate, k_scale)
+    k = _read_side(pools.k_block_ptr, layer, k_side, runs, arr.size, (heads, head_dim), gpu, unrotate, k_scale)
     if aliased:
         return k, k.copy()
     v_side = _Side.of(v_fmt, block_size, heads, head_dim)
-    v = _read_side(cache.v_cache_ptr, layer, v_side, runs, arr.size, (heads, head_dim), gpu, unrotate, v_scale)
+    v = _read_side(pools.v_block_ptr, layer, v_side, runs, arr.size, (heads, head_dim), gpu, unrotate, v_scale)
     return k, v
 
 
