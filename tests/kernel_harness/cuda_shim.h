@@ -110,6 +110,8 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return {(unsigned short)(rounded >> 16)};
 }
 static inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned int)h.bits << 16); }
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }
 
 // ---- memory intrinsics: alignment checked like every other access ---------------------
 #define PKV_LOAD(name)                                                                         \
