@@ -37,3 +37,49 @@ def test_kernel_parameters_match_the_ctypes_structures(stub_env):
                 checked += 1
         assert checked == 4, checked
     ''')
+
+
+def test_arguments_packed_for_other_types_are_refused(stub_env):
+    """A launcher whose ctypes structure does not match the kernel's C++ parameters (a
+    4-byte field where the kernel takes a pointer, so the next field sits 4 bytes on, and
+    an 8-byte parameter at a 4-byte offset) is refused at cuLaunchKernel, launching nothing."""
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend, CudaError
+        from pagedkv.driver.launch import KernelLauncher
+
+        class Narrow(ctypes.Structure):
+            _fields_ = [("table", ctypes.c_uint32), ("num_rows", ctypes.c_int32), ("blocks", ctypes.c_uint64),
+                        ("num_blocks", ctypes.c_int32), ("value", ctypes.c_uint32)]
+
+        class Packed(ctypes.Structure):
+            _pack_ = 4
+            _fields_ = [("num_rows", ctypes.c_int32), ("table", ctypes.c_uint64), ("blocks", ctypes.c_uint64),
+                        ("num_blocks", ctypes.c_int32), ("value", ctypes.c_uint32)]
+
+        with CudaBackend() as gpu:
+            function = gpu._launchers["pagedkv_fill_blocks"].function
+            for wrong in (Narrow, Packed):
+                before = STUB.stub_launch_count()
+                launcher = KernelLauncher("pagedkv_fill_blocks", function, wrong)
+                if wrong is Packed:  # fields in the kernel's order, at 4-byte alignment
+                    launcher.pointers[0], launcher.pointers[1] = launcher.pointers[1], launcher.pointers[0]
+                try:
+                    launcher.launch(1, 32, 0, table=0, num_rows=0, blocks=0, num_blocks=0, value=0)
+                except CudaError as err:
+                    assert err.status == 1, err
+                else:
+                    raise AssertionError(wrong.__name__)
+                assert STUB.stub_launch_count() == before and STUB.stub_pending_work() == 0
+    ''')
+
+
+def test_sm_count_comes_from_the_environment(stub_env):
+    run_on_stub(dict(stub_env, PAGEDKV_STUB_SMS="132"), '''
+        from pagedkv.driver import CudaBackend
+        with CudaBackend() as gpu:
+            assert gpu.sm_count == 132
+        p = ctypes.c_void_p()
+        assert STUB.cuGetProcAddress_v2(b"cuGetExportTable", ctypes.byref(p), 13000, ctypes.c_uint64(0), None) == 0 and p.value
+        assert STUB.cuGetProcAddress_v2(b"cuNoSuchCall", ctypes.byref(p), 13000, ctypes.c_uint64(0), None) == 500
+        assert STUB.cuGetProcAddress_v2(b"stub_launch_count", ctypes.byref(p), 13000, ctypes.c_uint64(0), None) == 500
+    ''')

@@ -1090,7 +1090,17 @@ static void *lookup(const char *symbol, uint64_t flags) {
         if (strcmp(ENTRY_POINTS[i].name, symbol) == 0)
             return (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && ENTRY_POINTS[i].ptds
                        ? ENTRY_POINTS[i].ptds : ENTRY_POINTS[i].fn;
-    return NULL;
+    /* any other cu* function this library exports (entry points added further down) */
+    if (strncmp(symbol, "cu", 2) != 0) return NULL;
+    Dl_info self;
+    if (!dladdr((void *)lookup, &self)) return NULL;
+    void *handle = dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    if (!handle) return NULL;
+    void *fn = dlsym(handle, symbol);
+    Dl_info where;
+    if (fn && (!dladdr(fn, &where) || strcmp(where.dli_fname, self.dli_fname) != 0)) fn = NULL; /* not ours */
+    dlclose(handle);
+    return fn;
 }
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
