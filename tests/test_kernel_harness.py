@@ -202,3 +202,39 @@ def test_float_conversions_round_to_nearest_even_without_contraction(probes):
     with np.errstate(all="ignore"):
         expect = (x * np.float32(3)) + np.float32(1)
     assert np.array_equal(madd.view(np.uint32)[~np.isnan(expect)], expect.view(np.uint32)[~np.isnan(expect)])
+
+
+def test_integer_intrinsics(probes):
+    rng = np.random.default_rng(8)
+    pairs = rng.integers(0, 2**64, (300, 2), dtype=np.uint64)
+    pairs[0] = (0, 0)
+    pairs[1] = (2**64 - 1, 1)
+    out = np.zeros(300 * 10, np.uint64)
+    assert probes.launch("probe_integer_intrinsics", 1, 64, pairs, out, ctypes.c_int(300))[0] == OK
+    M32, M64 = 2**32 - 1, 2**64 - 1
+    for (a, b), got in zip(pairs.tolist(), out.reshape(300, 10).tolist()):
+        x, y = a & M32, b & M32
+        s = (b >> 40) & 31
+        v = y << 32 | x
+        sel = (a >> 32) & 0x7777
+        perm = sum((((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)) for i in range(4))
+        want = [
+            bin(x).count("1") | bin(a).count("1") << 32,
+            (32 - x.bit_length()) | (64 - a.bit_length()) << 32,
+            ((x & -x).bit_length()) | ((a & -a).bit_length()) << 32,
+            int(f"{x:032b}"[::-1], 2),
+            (x * y) >> 32,
+            (a * b) >> 64,
+            (((v << s) >> 32) & M32) | ((v >> s) & M32) << 32,
+            perm,
+            min(a, b),
+            max(x, y),
+        ]
+        assert got == [w & M64 for w in want], (a, b)
+
+
+def test_atomics_are_exact_read_modify_writes(probes):
+    counters = np.array([0, 0, 2**32 - 1, 0], np.uint32)
+    total = np.zeros(1, np.uint64)
+    assert probes.launch("probe_atomics", 5, 48, counters, total, order=RANDOM, seed=3)[0] == OK
+    assert counters.tolist() == [240, 239, 0, 2**32 - 1] and total[0] == 5 * sum(range(48))

@@ -82,3 +82,29 @@ extern "C" __global__ void probe_float(const float* in, unsigned short* bf, floa
         madd[i] = in[i] * 3.0f + 1.0f;  // two roundings: no contraction into an FMA
     }
 }
+
+extern "C" __global__ void probe_integer_intrinsics(const unsigned long long* in, unsigned long long* out, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const unsigned long long a = in[2 * i], b = in[2 * i + 1];
+        const u32 x = (u32)a, y = (u32)b;
+        unsigned long long* o = out + 10 * i;
+        o[0] = (unsigned long long)__popc(x) | (unsigned long long)__popcll(a) << 32;
+        o[1] = (unsigned long long)(u32)__clz((int)x) | (unsigned long long)(u32)__clzll((long long)a) << 32;
+        o[2] = (unsigned long long)(u32)__ffs((int)x) | (unsigned long long)(u32)__ffsll((long long)a) << 32;
+        o[3] = __brev(x);
+        o[4] = __umulhi(x, y);
+        o[5] = __umul64hi(a, b);
+        o[6] = __funnelshift_l(x, y, (u32)(b >> 40)) | (unsigned long long)__funnelshift_r(x, y, (u32)(b >> 40)) << 32;
+        o[7] = __byte_perm(x, y, (u32)(a >> 32) & 0x7777u);
+        o[8] = min(a, b);
+        o[9] = max(x, y);
+    }
+}
+
+extern "C" __global__ void probe_atomics(u32* counters, unsigned long long* sum) {
+    atomicAdd(&counters[0], 1u);
+    atomicMax(&counters[1], blockIdx.x * blockDim.x + threadIdx.x);
+    atomicMin(&counters[2], blockIdx.x * blockDim.x + threadIdx.x);
+    atomicOr(&counters[3], 1u << (threadIdx.x % 32));
+    atomicAdd(sum, (unsigned long long)threadIdx.x);
+}
