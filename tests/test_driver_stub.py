@@ -748,3 +748,32 @@ def test_a_kernel_fault_is_sticky_until_the_context_is_released(stub_env):
         with CudaBackend() as again:
             again.free(again.alloc(16))
     ''')
+
+
+def test_a_kernel_running_past_an_allocation_is_an_illegal_address(stub_env):
+    """Stub allocations have an inaccessible page on each side, so a kernel that runs past
+    one (a fill row longer than its allocation, launched around CudaBackend's checks)
+    fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of writing into the host."""
+    run_on_stub(stub_env, '''
+        STUB.stub_fault_message.restype = ctypes.c_char_p
+        from pagedkv.driver import CudaBackend, CudaError, backend
+        gpu = CudaBackend()
+        pool, table, idx = gpu.alloc(1000), gpu.alloc(24), gpu.alloc(4)
+        gpu.copy_h2d(np.array([int(pool), 1000, 1000 + 8192], np.int64), table)
+        gpu.copy_h2d(np.zeros(1, np.int32), idx)
+        gpu._launchers["pagedkv_fill_blocks"].launch(
+            1, getattr(backend, "THREADS", 256), 0, table=int(table), num_rows=1, blocks=int(idx), num_blocks=1, value=7)
+        try:
+            gpu.synchronize(0)
+        except CudaError as err:
+            assert err.status == 700 and err.status_name == "CUDA_ERROR_ILLEGAL_ADDRESS", err
+        else:
+            raise AssertionError("writing 8 KiB past an allocation must fault")
+        message = STUB.stub_fault_message().decode()
+        assert "pagedkv_fill_blocks" in message and "illegal memory access at address" in message, message
+        try:
+            gpu.close()
+        except CudaError:
+            pass
+        assert STUB.stub_primary_refs() == 0 and STUB.stub_sticky_status() == 0
+    ''')

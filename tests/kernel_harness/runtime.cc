@@ -3,6 +3,7 @@
 // are fibers (ucontext) switched only at barriers, warp exchanges and exits, so a run is
 // deterministic for a given order. Faults (misaligned access, __trap, barrier
 // divergence) end the launch with a CUDA status and a message.
+#include <signal.h>
 #include <ucontext.h>
 
 #include <cstdarg>
@@ -116,6 +117,7 @@ void run_fiber(Launch* L, unsigned t) {
     L->current = (int)t;
     pkv_threadIdx = f.tid;
     swapcontext(&L->scheduler, &f.ctx);
+    L->current = -1;
 }
 
 // Release warps whose every masked lane waits in an exchange; false if none could be.
@@ -286,6 +288,19 @@ uint64_t pkv_warp_exchange(unsigned mask, uint64_t value, int mode, int arg, int
     return out;
 }
 
+// A kernel touching unmapped memory (the stub keeps a guard page on each side of every
+// allocation) ends the launch with CUDA_ERROR_ILLEGAL_ADDRESS.
+static void on_memory_fault(int sig, siginfo_t* info, void*) {
+    if (!active || active->current < 0) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    fail(ILLEGAL_ADDRESS, "illegal %s at address %p", sig == SIGBUS ? "access (SIGBUS)" : "memory access",
+         info->si_addr);
+    abort_fiber();
+}
+
 void pkv_trap(const char* file, int line) {
     fail(LAUNCH_FAILED, "__trap() at %s:%d", file, line);
     abort_fiber();
@@ -362,6 +377,12 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
     L.message_len = message_len;
     if (message_len > 0) message[0] = 0;
     for (auto& s : L.stacks) s = static_cast<char*>(std::malloc(STACK_BYTES));
+    struct sigaction fault = {}, old_segv, old_bus;
+    fault.sa_sigaction = on_memory_fault;
+    fault.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&fault.sa_mask);
+    sigaction(SIGSEGV, &fault, &old_segv);
+    sigaction(SIGBUS, &fault, &old_bus);
     Launch* outer = active;
     active = &L;
     pkv_blockDim = {block[0], block[1], block[2]};
@@ -373,6 +394,8 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
         const uint3 idx = {b % grid[0], b / grid[0] % grid[1], b / (grid[0] * grid[1])};
         if (!run_cta(&L, idx, seed, order)) break;
     }
+    sigaction(SIGSEGV, &old_segv, nullptr);
+    sigaction(SIGBUS, &old_bus, nullptr);
     for (auto s : L.stacks) std::free(s);
     active = outer;
     return L.status;

@@ -23,7 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -226,7 +228,22 @@ CUresult cuCtxGetCurrent(CUcontext *ctx) {
 /* ---- device memory: malloc'd host memory, every range checked ---------------------------- */
 
 #define MAX_ALLOCS 4096
-static struct { CUdeviceptr base; size_t size; } allocs[MAX_ALLOCS];
+static struct { CUdeviceptr base; size_t size; void *map; size_t map_size; } allocs[MAX_ALLOCS];
+
+/* Device memory is mapped with an inaccessible page on each side, the allocation ending
+ * as close to the upper one as 256-byte alignment allows, so a kernel running past an
+ * allocation faults (the harness reports CUDA_ERROR_ILLEGAL_ADDRESS) instead of
+ * corrupting the host. */
+static void *map_device(size_t size, void **map, size_t *map_size) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), body = (size + 255) / 256 * 256;
+    size_t pages = (body + page - 1) / page * page;
+    char *m = mmap(NULL, pages + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    if (mprotect(m + page, pages, PROT_READ | PROT_WRITE) != 0) { munmap(m, pages + 2 * page); return NULL; }
+    *map = m;
+    *map_size = pages + 2 * page;
+    return m + page + (pages - body);
+}
 static int nallocs;
 
 int stub_live_allocations(void) { return nallocs; }
@@ -243,11 +260,15 @@ CUresult cuMemAlloc(CUdeviceptr *dptr, size_t size) {
     NEED_CTX();
     if (!dptr || size == 0) return INVALID_VALUE;
     if (size > total_mem - used_mem || nallocs == MAX_ALLOCS) return OUT_OF_MEMORY;
-    void *p = aligned_alloc(256, (size + 255) / 256 * 256);
+    void *map;
+    size_t map_size;
+    void *p = map_device(size, &map, &map_size);
     if (!p) return OUT_OF_MEMORY;
     memset(p, 0xA5, size); /* like the GPU, fresh memory is not zeroed */
     allocs[nallocs].base = (CUdeviceptr)(uintptr_t)p;
     allocs[nallocs].size = size;
+    allocs[nallocs].map = map;
+    allocs[nallocs].map_size = map_size;
     nallocs++;
     used_mem += size;
     *dptr = (CUdeviceptr)(uintptr_t)p;
@@ -262,7 +283,7 @@ CUresult cuMemFree(CUdeviceptr dptr) {
     for (int i = 0; i < nallocs; i++) {
         if (allocs[i].base == dptr) {
             used_mem -= allocs[i].size;
-            free((void *)(uintptr_t)dptr);
+            munmap(allocs[i].map, allocs[i].map_size);
             allocs[i] = allocs[--nallocs];
             return SUCCESS;
         }
@@ -1044,7 +1065,7 @@ PTDS(CUresult, cuLaunchKernel, "cuLaunchKernel",
 static void reset_device(void) {
     pthread_mutex_lock(&queue_lock);
     reset_queues();
-    for (int i = 0; i < nallocs; i++) free((void *)(uintptr_t)allocs[i].base);
+    for (int i = 0; i < nallocs; i++) munmap(allocs[i].map, allocs[i].map_size);
     nallocs = 0;
     used_mem = 0;
     for (int i = 0; i < nhost; i++) free(host_allocs[i]);
