@@ -777,3 +777,43 @@ def test_a_kernel_running_past_an_allocation_is_an_illegal_address(stub_env):
             pass
         assert STUB.stub_primary_refs() == 0 and STUB.stub_sticky_status() == 0
     ''')
+
+
+def test_bad_harness_settings_are_refused_with_their_value(stub_env, tmp_path):
+    """A CTA order, SM count or kernel library the stub cannot use is refused, naming it."""
+    out = run_on_stub(dict(stub_env, PAGEDKV_HARNESS_ORDER="sideways"), '''
+        STUB.stub_fault_message.restype = ctypes.c_char_p
+        from pagedkv.driver import CudaBackend, CudaError
+        with CudaBackend() as gpu:
+            regions = gpu.create_block_regions([(int(gpu.alloc(64)), 64, 64)])
+            try:
+                gpu.fill_blocks(regions, [0], 1, 0)
+            except CudaError as err:
+                assert err.status == 1 and err.call == "cuLaunchKernel", err
+            else:
+                raise AssertionError("an unknown CTA order must be refused")
+            assert STUB.stub_fault_message() == b"PAGEDKV_HARNESS_ORDER=sideways is not ascending, descending or random:SEED"
+        print("refused")
+    ''')
+    assert "refused" in out
+    run_on_stub(dict(stub_env, PAGEDKV_STUB_SMS="two"), '''
+        from pagedkv.driver import CudaBackend, CudaError
+        try:
+            CudaBackend()
+        except CudaError as err:
+            assert err.call == "cuDeviceGetAttribute" and err.status == 1, err
+        else:
+            raise AssertionError("PAGEDKV_STUB_SMS=two must be refused")
+    ''')
+    missing = tmp_path / "libmissing.so"
+    run_on_stub(dict(stub_env, PAGEDKV_HARNESS_LIBS=str(missing)), f'''
+        STUB.stub_harness_error.restype = ctypes.c_char_p
+        from pagedkv.driver import CudaBackend, CudaError
+        try:
+            CudaBackend()
+        except CudaError as err:
+            assert err.call == "cuModuleGetFunction" and err.status == 500, err
+        else:
+            raise AssertionError("no kernels without their library")
+        assert {str(missing)!r}.encode() in STUB.stub_harness_error(), STUB.stub_harness_error()
+    ''')

@@ -181,7 +181,13 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     if (dev < 0 || dev >= device_count) return INVALID_DEVICE;
     switch (attribute) {
     case 16:
-        if (sm_count < 0) { const char *env = getenv("PAGEDKV_STUB_SMS"); sm_count = env ? atoi(env) : 4; }
+        if (sm_count < 0) {
+            const char *env = getenv("PAGEDKV_STUB_SMS");
+            char *end = NULL;
+            long n = env ? strtol(env, &end, 10) : 4;
+            if (env && (*env == 0 || *end != 0 || n <= 0 || n > 100000)) return INVALID_VALUE; /* not an SM count */
+            sm_count = (int)n;
+        }
         *value = sm_count;
         return SUCCESS;
     case 75: *value = cc_major; return SUCCESS;
@@ -813,6 +819,10 @@ typedef struct {
 #define MAX_LIBS 32
 static HarnessLib libs[MAX_LIBS];
 static int nlibs = -1; /* -1: PAGEDKV_HARNESS_LIBS not read yet */
+static char harness_error[512];
+
+/* Why a library of PAGEDKV_HARNESS_LIBS could not be used ("" when all loaded). */
+const char *stub_harness_error(void) { return harness_error; }
 
 struct Function {
     char name[64];
@@ -839,15 +849,22 @@ static void load_harness(void) {
     char *copy = strdup(list), *save = NULL;
     for (char *path = strtok_r(copy, ":", &save); path && nlibs < MAX_LIBS; path = strtok_r(NULL, ":", &save)) {
         void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-        if (!h) continue;
+        if (!h) {
+            if (!harness_error[0]) snprintf(harness_error, sizeof harness_error, "%s", dlerror());
+            continue;
+        }
         HarnessLib *lib = &libs[nlibs];
         lib->handle = h;
         lib->count = (HarnessCount)dlsym(h, "pkv_harness_kernel_count");
         lib->name = (HarnessName)dlsym(h, "pkv_harness_kernel_name");
         lib->params = (HarnessParams)dlsym(h, "pkv_harness_kernel_params");
         lib->launch = (HarnessLaunch)dlsym(h, "pkv_harness_launch");
-        if (lib->count && lib->name && lib->params && lib->launch) nlibs++;
-        else dlclose(h);
+        if (lib->count && lib->name && lib->params && lib->launch) {
+            nlibs++;
+        } else {
+            if (!harness_error[0]) snprintf(harness_error, sizeof harness_error, "%s is not a kernel harness library", path);
+            dlclose(h);
+        }
     }
     free(copy);
 }
@@ -959,19 +976,27 @@ int stub_launch_get(long i, LaunchRecord *out) {
     return 0;
 }
 
-/* CTA order of launches: PAGEDKV_HARNESS_ORDER = ascending (default), descending or random:SEED. */
+/* CTA order of launches: PAGEDKV_HARNESS_ORDER = ascending (default), descending or
+ * random:SEED; -1 (and the reason in the fault message) for anything else. */
 static int launch_order(unsigned long long *seed) {
     const char *s = getenv("PAGEDKV_HARNESS_ORDER");
     *seed = 0;
     if (!s || strcmp(s, "ascending") == 0) return 0;
     if (strcmp(s, "descending") == 0) return 1;
-    if (strncmp(s, "random:", 7) == 0) { *seed = strtoull(s + 7, NULL, 10); return 2; }
-    return 0;
+    if (strncmp(s, "random:", 7) == 0 && s[7] >= '0' && s[7] <= '9') {
+        char *end;
+        *seed = strtoull(s + 7, &end, 10);
+        if (*end == 0) return 2;
+    }
+    snprintf(fault_message, sizeof fault_message,
+             "PAGEDKV_HARNESS_ORDER=%.200s is not ascending, descending or random:SEED", s);
+    return -1;
 }
 
 static int execute_launch(Op *op) {
     unsigned long long seed;
     int order = launch_order(&seed);
+    if (order < 0) return INVALID_VALUE;
     Function *fn = op->fn;
     char message[400];
     int st = fn->lib->launch(fn->index, op->grid, op->block, op->params, order, seed, message, (int)sizeof message);
@@ -987,6 +1012,8 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024) return INVALID_VALUE;
     if (shared != 0) return INVALID_VALUE; /* the harness has no dynamic shared memory yet */
     Function *fn = f;
+    unsigned long long seed;
+    if (launch_order(&seed) < 0) return INVALID_VALUE;
     /* the packed arguments must be laid out for the C++ parameter types: each pointer
      * aligned for its type, and consecutive pointers into one argument block at least
      * the previous parameter's size apart */
