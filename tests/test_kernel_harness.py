@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernel_harness.build import HERE, HarnessBuildError, build_kernel_libraries, compiler, kernel_names
+from kernel_harness.build import HERE, HarnessBuildError, build_kernel_libraries, compiler, kernel_bounds, kernel_names
 
 OK, ILLEGAL_ADDRESS, MISALIGNED_ADDRESS, LAUNCH_FAILED = 0, 700, 716, 719
 ASCENDING, DESCENDING, RANDOM = 0, 1, 2
@@ -55,6 +55,14 @@ def probes(tmp_path_factory):
 def test_kernel_names_are_found_with_launch_bounds_and_line_breaks():
     src = 'extern "C" __global__ void a(int x) {}\nextern "C"  __global__ void __launch_bounds__(256, 2)\n  b_2 (int* p) {}'
     assert kernel_names(src) == ["a", "b_2"]
+    assert kernel_bounds(src) == [("a", "0"), ("b_2", "256")]
+
+
+def test_launch_bounds_are_evaluated_with_the_source_macros(probes):
+    lib = probes.lib
+    assert lib.pkv_harness_kernel_max_threads(probes.index["probe_bounded"]) == 64
+    assert lib.pkv_harness_kernel_max_threads(probes.index["probe_indices"]) == 1024
+    assert lib.pkv_harness_kernel_max_threads(len(probes.index)) == -1
 
 
 def test_a_source_without_kernels_is_refused(tmp_path):

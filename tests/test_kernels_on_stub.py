@@ -7,10 +7,13 @@ these tests prove what the kernels compute, not how they behave on a GPU.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from kernel_harness.build import HARNESS_ENV, HERE
 from kernel_harness.checks import CHECKS, check_body
-from kernel_harness.stub import run_on_stub
+from kernel_harness.stub import build_harness, run_on_stub, with_libraries
 
 
 @pytest.mark.parametrize("sms", [2, 132])
@@ -82,4 +85,37 @@ def test_sm_count_comes_from_the_environment(stub_env):
         assert STUB.cuGetProcAddress_v2(b"cuGetExportTable", ctypes.byref(p), 13000, ctypes.c_uint64(0), None) == 0 and p.value
         assert STUB.cuGetProcAddress_v2(b"cuNoSuchCall", ctypes.byref(p), 13000, ctypes.c_uint64(0), None) == 500
         assert STUB.cuGetProcAddress_v2(b"stub_launch_count", ctypes.byref(p), 13000, ctypes.c_uint64(0), None) == 500
+    ''')
+
+
+def test_a_launch_past_the_kernels_launch_bounds_is_refused(stub_env, tmp_path):
+    """The stub takes each kernel's thread limit from its __launch_bounds__ (evaluated in
+    the harness build, macros resolved) and refuses a bigger CTA as the driver does. The
+    probe kernel is loaded from a minimal ELF image naming it, as a CUBIN would."""
+    (probes,) = build_harness([HERE / "probes.cu"], tmp_path)
+    env = with_libraries(stub_env, [*stub_env[HARNESS_ENV].split(os.pathsep), probes])
+    run_on_stub(env, '''
+        from cuda.bindings import driver as D
+        from pagedkv.driver import CudaBackend
+        names = b"probe_bounded\\0"
+        header = bytearray(64)
+        header[:5] = b"\\x7fELF\\x02"
+        header[0x28:0x30] = (64 + len(names)).to_bytes(8, "little")  # e_shoff: the image's end
+        with CudaBackend() as gpu:
+            err, module = D.cuModuleLoadData(bytes(header) + names)
+            assert err == 0, err
+            err, function = D.cuModuleGetFunction(module, b"probe_bounded")
+            assert err == 0, err
+            out = gpu.alloc(4 * 128)
+            arg = ctypes.c_uint64(int(out))
+            params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+            for threads, status in ((128, 1), (65, 1), (64, 0)):
+                got = D.cuLaunchKernel(function, 1, 1, 1, threads, 1, 1, 0, 0, ctypes.addressof(params), 0)[0]
+                assert int(got) == status, (threads, got)
+            gpu.synchronize(0)
+            back = np.zeros(128, np.uint32)
+            gpu.copy_d2h(out, back)
+            assert back[:64].tolist() == [64] * 64
+            gpu.free(out)
+            assert D.cuModuleUnload(module)[0] == 0
     ''')

@@ -108,3 +108,8 @@ extern "C" __global__ void probe_atomics(u32* counters, unsigned long long* sum)
     atomicOr(&counters[3], 1u << (threadIdx.x % 32));
     atomicAdd(sum, (unsigned long long)threadIdx.x);
 }
+
+#define PROBE_BOUND 64
+extern "C" __global__ void __launch_bounds__(PROBE_BOUND, 2) probe_bounded(u32* out) {
+    out[threadIdx.x] = blockDim.x;
+}

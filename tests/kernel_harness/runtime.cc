@@ -358,6 +358,12 @@ PKV_EXPORT int pkv_harness_kernel_params(int k, int* sizes, int* aligns, int max
     return kernel.nparams;
 }
 
+// The most threads a CTA of kernel k may have (its __launch_bounds__, else 1024; -1: no kernel k).
+PKV_EXPORT int pkv_harness_kernel_max_threads(int k) {
+    if (k < 0 || k >= pkv_kernel_table_size) return -1;
+    return pkv_kernel_table[k].max_threads > 0 ? pkv_kernel_table[k].max_threads : 1024;
+}
+
 // Run kernel k over the grid; `order` 0/1/2 = CTAs (and fibers within a CTA) ascending,
 // descending or shuffled by `seed`. Returns 0 or the CUDA status of the fault described
 // in `message`. Not reentrant: the stub serialises launches.

@@ -807,6 +807,7 @@ typedef int (*HarnessCount)(void);
 typedef const char *(*HarnessName)(int);
 typedef int (*HarnessParams)(int, int *, int *, int);
 typedef int (*HarnessLaunch)(int, const unsigned *, const unsigned *, void **, int, unsigned long long, char *, int);
+typedef int (*HarnessMaxThreads)(int);
 
 typedef struct {
     void *handle;
@@ -814,6 +815,7 @@ typedef struct {
     HarnessName name;
     HarnessParams params;
     HarnessLaunch launch;
+    HarnessMaxThreads max_threads;
 } HarnessLib;
 
 #define MAX_LIBS 32
@@ -830,6 +832,7 @@ struct Function {
     int index;
     int nparams;
     int sizes[MAX_PARAMS], aligns[MAX_PARAMS];
+    int max_threads; /* __launch_bounds__, else 1024 */
 };
 
 #define MAX_FUNCTIONS 64
@@ -859,7 +862,8 @@ static void load_harness(void) {
         lib->name = (HarnessName)dlsym(h, "pkv_harness_kernel_name");
         lib->params = (HarnessParams)dlsym(h, "pkv_harness_kernel_params");
         lib->launch = (HarnessLaunch)dlsym(h, "pkv_harness_launch");
-        if (lib->count && lib->name && lib->params && lib->launch) {
+        lib->max_threads = (HarnessMaxThreads)dlsym(h, "pkv_harness_kernel_max_threads");
+        if (lib->count && lib->name && lib->params && lib->launch && lib->max_threads) {
             nlibs++;
         } else {
             if (!harness_error[0]) snprintf(harness_error, sizeof harness_error, "%s is not a kernel harness library", path);
@@ -948,6 +952,7 @@ CUresult cuModuleGetFunction(CUfunction *f, CUmodule mod, const char *name) {
     fn->lib = lib;
     fn->index = index;
     fn->nparams = n;
+    fn->max_threads = lib->max_threads(index);
     m->nfunctions++;
     *f = fn;
     return SUCCESS;
@@ -1012,6 +1017,7 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024) return INVALID_VALUE;
     if (shared != 0) return INVALID_VALUE; /* the harness has no dynamic shared memory yet */
     Function *fn = f;
+    if (bx * by * bz > (unsigned)fn->max_threads) return INVALID_VALUE; /* past its __launch_bounds__ */
     unsigned long long seed;
     if (launch_order(&seed) < 0) return INVALID_VALUE;
     /* the packed arguments must be laid out for the C++ parameter types: each pointer
