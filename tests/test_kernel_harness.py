@@ -190,7 +190,12 @@ def test_warp_intrinsics(probes, order):
 
 def test_a_warp_intrinsic_some_lanes_never_reach_is_divergence(probes):
     status, message = probes.launch("probe_warp_divergence", 1, 32, np.zeros(32, np.uint32))
-    assert status == LAUNCH_FAILED and "warp divergence" in message, message
+    assert status == LAUNCH_FAILED and "warp divergence" in message and "never reached" in message, message
+
+
+def test_lanes_of_one_mask_in_different_warp_intrinsics_are_divergence(probes):
+    status, message = probes.launch("probe_mixed_warp_intrinsics", 1, 32, np.zeros(32, np.uint32))
+    assert status == LAUNCH_FAILED and "different warp intrinsics" in message, message
 
 
 def test_float_conversions_round_to_nearest_even_without_contraction(probes):

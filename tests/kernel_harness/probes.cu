@@ -113,3 +113,10 @@ extern "C" __global__ void probe_atomics(u32* counters, unsigned long long* sum)
 extern "C" __global__ void __launch_bounds__(PROBE_BOUND, 2) probe_bounded(u32* out) {
     out[threadIdx.x] = blockDim.x;
 }
+
+extern "C" __global__ void probe_mixed_warp_intrinsics(u32* out) {
+    u32 v = threadIdx.x;
+    if (threadIdx.x & 1u) v = __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+    else v = __ballot_sync(0xFFFFFFFFu, v);
+    out[threadIdx.x] = v;
+}

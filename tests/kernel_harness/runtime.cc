@@ -120,7 +120,8 @@ void run_fiber(Launch* L, unsigned t) {
     L->current = -1;
 }
 
-// Release warps whose every masked lane waits in an exchange; false if none could be.
+// Release warps whose every masked lane waits in the same kind of exchange; false if none
+// could be (or the launch failed: lanes of one mask in different intrinsics).
 bool release_warps(Launch* L) {
     bool released = false;
     const unsigned nwarps = (L->nthreads + 31) / 32;
@@ -136,6 +137,16 @@ bool release_warps(Launch* L) {
         }
         if (!waiting) continue;
         if (mixed || waiting != mask) continue;  // someone in the mask has not arrived yet
+        const Fiber& lead = L->fibers[w * 32 + (unsigned)__builtin_ctz(waiting)];
+        for (unsigned lane = 0; lane < 32; lane++) {
+            const Fiber& f = L->fibers[w * 32 + lane];
+            if ((waiting >> lane & 1u) && f.warp_mode != lead.warp_mode) {
+                pkv_threadIdx = f.tid;
+                fail(LAUNCH_FAILED, "warp divergence: lanes of mask 0x%08x in different warp intrinsics (%s:%d, %s:%d)",
+                     mask, f.site_file, f.site_line, lead.site_file, lead.site_line);
+                return false;
+            }
+        }
         for (unsigned lane = 0; lane < 32; lane++)
             if (waiting >> lane & 1u) L->fibers[w * 32 + lane].state = READY;
         released = true;
@@ -144,7 +155,7 @@ bool release_warps(Launch* L) {
 }
 
 // Run one CTA to completion; false when the launch failed.
-bool run_cta(Launch* L, uint3 block, uint64_t seed, int order) {
+bool run_cta(Launch* L, uint3 block) {
     pkv_blockIdx = block;
     char* const shared_begin = __start_pkv_shared;
     char* const shared_end = __stop_pkv_shared;
@@ -162,8 +173,6 @@ bool run_cta(Launch* L, uint3 block, uint64_t seed, int order) {
         f.ctx.uc_link = &L->scheduler;
         makecontext(&f.ctx, fiber_main, 0);
     }
-    (void)seed;
-    (void)order;
     for (;;) {
         bool ran = false;
         for (unsigned t : L->thread_order) {
@@ -174,6 +183,7 @@ bool run_cta(Launch* L, uint3 block, uint64_t seed, int order) {
         }
         if (ran) continue;
         if (release_warps(L)) continue;
+        if (L->status != OK) return false;
         // nobody can run: every live fiber waits at a barrier (or the CTA is done)
         const Fiber* first = nullptr;
         bool stuck_in_warp = false;
@@ -398,7 +408,7 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
     const std::vector<unsigned> cta_order = make_order(nblocks, order, seed);
     for (unsigned b : cta_order) {
         const uint3 idx = {b % grid[0], b / grid[0] % grid[1], b / (grid[0] * grid[1])};
-        if (!run_cta(&L, idx, seed, order)) break;
+        if (!run_cta(&L, idx)) break;
     }
     sigaction(SIGSEGV, &old_segv, nullptr);
     sigaction(SIGBUS, &old_bus, nullptr);

@@ -589,8 +589,9 @@ CUresult cuStreamDestroy(CUstream s) {
     pthread_mutex_lock(&queue_lock);
     int i = find_handle(stream_handles, nstreams, s);
     if (i < 0) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
-    /* the driver finishes a destroyed stream's work; here it runs now */
-    int st = run_until((Stream *)s, UINT64_MAX);
+    /* the driver finishes a destroyed stream's work; here all queued work runs now, so no
+     * later work is left depending on the freed queue */
+    int st = run_all();
     if (st) { pthread_mutex_unlock(&queue_lock); return st; }
     stream_handles[i] = stream_handles[--nstreams];
     int q = find_handle((void **)queues, nqueues, s);
@@ -926,6 +927,8 @@ CUresult cuModuleUnload(CUmodule mod) {
     NEED_CTX();
     int i = find_handle(modules, nmodules, mod);
     if (i < 0) return INVALID_HANDLE;
+    int st = drain_all(); /* queued launches of its functions run first */
+    if (st) return st;
     free(((Module *)mod)->image);
     free(mod);
     modules[i] = modules[--nmodules];
