@@ -632,9 +632,9 @@ def test_async_work_runs_only_when_waited_for(stub_env):
                 # a stream waiting on an event recorded on another runs that stream's work first
                 gpu.memset_async(dev, 3, 32, s1)
                 event = D.cuEventCreate(2)[1]
-                assert D.cuEventRecord(event, gpu._stream(s1))[0] == 0
+                assert D.cuEventRecord(event, D.CUstream(s1))[0] == 0
                 assert D.cuEventQuery(event)[0] == D.CUresult.CUDA_ERROR_NOT_READY
-                assert D.cuStreamWaitEvent(gpu._stream(s2), event, 0)[0] == 0
+                assert D.cuStreamWaitEvent(D.CUstream(s2), event, 0)[0] == 0
                 gpu.copy_d2h_async(dev, pin, s2)
                 gpu.synchronize(s2)
                 assert pin.array[:32].tolist() == [3] * 32 and pin.array[32:].tolist() == [2] * 32
@@ -716,14 +716,15 @@ def test_a_kernel_fault_is_sticky_until_the_context_is_released(stub_env):
     call, as a GPU context error does; the primary context's last release resets it."""
     run_on_stub(stub_env, '''
         STUB.stub_fault_message.restype = ctypes.c_char_p
+        from cuda.bindings import driver as D
         from pagedkv.driver import CudaBackend, CudaError, backend
         gpu = CudaBackend()
         g, idx, partials = gpu.alloc(8192), gpu.alloc(4), gpu.alloc(24)
         gpu.copy_h2d(np.zeros(1, np.int32), idx)
-        gpu._launchers["pagedkv_reduce_bf16_partial"].launch(
-            1, getattr(backend, "THREADS", 256), 0,
-            base=int(g) + 1, stride=4096, nbytes=4094, blocks=int(idx), num_blocks=1, partials=int(partials),
-        )
+        module, function = raw_kernel("reduce_bf16.cu", "pagedkv_reduce_bf16_partial")
+        assert raw_launch(function, 1, getattr(backend, "THREADS", 256), 0, ctypes.c_int64(int(g) + 1),
+                          ctypes.c_int64(4096), ctypes.c_int64(4094), ctypes.c_uint64(int(idx)), ctypes.c_int32(1),
+                          ctypes.c_uint64(int(partials))) == 0
         assert STUB.stub_sticky_status() == 0, "the launch is queued, not run"
         try:
             gpu.synchronize(0)
@@ -761,8 +762,9 @@ def test_a_kernel_running_past_an_allocation_is_an_illegal_address(stub_env):
         pool, table, idx = gpu.alloc(1000), gpu.alloc(24), gpu.alloc(4)
         gpu.copy_h2d(np.array([int(pool), 1000, 1000 + 8192], np.int64), table)
         gpu.copy_h2d(np.zeros(1, np.int32), idx)
-        gpu._launchers["pagedkv_fill_blocks"].launch(
-            1, getattr(backend, "THREADS", 256), 0, table=int(table), num_rows=1, blocks=int(idx), num_blocks=1, value=7)
+        module, function = raw_kernel("fill_blocks.cu", "pagedkv_fill_blocks")
+        assert raw_launch(function, 1, getattr(backend, "THREADS", 256), 0, ctypes.c_uint64(int(table)),
+                          ctypes.c_int32(1), ctypes.c_uint64(int(idx)), ctypes.c_int32(1), ctypes.c_uint32(7)) == 0
         try:
             gpu.synchronize(0)
         except CudaError as err:

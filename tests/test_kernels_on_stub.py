@@ -60,7 +60,7 @@ def test_arguments_packed_for_other_types_are_refused(stub_env):
                         ("num_blocks", ctypes.c_int32), ("value", ctypes.c_uint32)]
 
         with CudaBackend() as gpu:
-            function = gpu._launchers["pagedkv_fill_blocks"].function
+            module, function = raw_kernel("fill_blocks.cu", "pagedkv_fill_blocks")
             for wrong in (Narrow, Packed):
                 before = STUB.stub_launch_count()
                 launcher = KernelLauncher("pagedkv_fill_blocks", function, wrong)
@@ -73,6 +73,8 @@ def test_arguments_packed_for_other_types_are_refused(stub_env):
                 else:
                     raise AssertionError(wrong.__name__)
                 assert STUB.stub_launch_count() == before and STUB.stub_pending_work() == 0
+            from cuda.bindings import driver as D
+            assert D.cuModuleUnload(module)[0] == 0
     ''')
 
 
