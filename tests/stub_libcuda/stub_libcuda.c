@@ -408,7 +408,7 @@ int stub_sticky_status(void) { return sticky_status; }
 
 
 static Stream *per_thread_stream(void) {
-    if (!thread_stream) {
+    if (!thread_stream && nqueues < 2 * MAX_HANDLES) {
         thread_stream = calloc(1, sizeof(Stream));
         thread_stream->blocking = 1;
         queues[nqueues++] = thread_stream;
@@ -428,13 +428,18 @@ static int find_handle(void **table, int n, void *h) {
  * point), 1 (CU_STREAM_LEGACY), 2 (CU_STREAM_PER_THREAD) or a live stream; NULL if none. */
 static Stream *queue_of(CUstream s) {
     uintptr_t h = (uintptr_t)s;
-    if (h == 0) return ptds_api ? per_thread_stream() : &legacy_stream;
+    if (h == 0) return ptds_api ? per_thread_stream() : &legacy_stream; /* NULL: too many threads */
     if (h == 1) return &legacy_stream;
     if (h == 2) return per_thread_stream();
     return find_handle(stream_handles, nstreams, s) >= 0 ? (Stream *)s : NULL;
 }
 
-static int stream_ok(CUstream s) { return queue_of(s) != NULL; }
+static int stream_ok(CUstream s) {
+    pthread_mutex_lock(&queue_lock);
+    int ok = queue_of(s) != NULL;
+    pthread_mutex_unlock(&queue_lock);
+    return ok;
+}
 
 static void add_dep(Op *op, Stream *s, uint64_t seq) {
     op->deps = realloc(op->deps, sizeof(Dep) * (size_t)(op->ndeps + 1));
@@ -1060,8 +1065,10 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
         at += ((size_t)fn->sizes[i] + 15) / 16 * 16;
     }
     pthread_mutex_lock(&queue_lock);
-    enqueue(queue_of(s), op);
+    Stream *q = queue_of(s);
+    if (q) enqueue(q, op);
     pthread_mutex_unlock(&queue_lock);
+    if (!q) { free_op(op); return INVALID_HANDLE; }
     return SUCCESS;
 }
 
