@@ -535,10 +535,12 @@ def test_paged_cache_on_stub_matches_host_backend(stub_env):
 def test_cuda_marked_suite_runs_over_the_stub(stub_env):
     """Every cuda-marked test of the suite (the cache, tokens, sequence and diagnostics
     tests re-run through the `gpu` fixture, and test_cuda_gpu.py), with the stub standing
-    in for the GPU: proves their Python (setup, mirroring, comparisons, teardown) and that
-    nothing in them leans on HostBackend quirks such as zero-filled allocations, not the
-    kernels they exist for."""
-    run_on_stub(stub_env, '''
+    in for the GPU and every kernel executing on the CPU through the kernel harness (CTAs
+    in a seeded random order), each result compared against HostBackend by the tests
+    themselves. Proves their Python and the kernels' results; not the GPU's memory model,
+    concurrency between CTAs or timing."""
+    env = dict(stub_env, PAGEDKV_HARNESS_ORDER="random:20261201")
+    run_on_stub(env, '''
         STUB.stub_set_total_mem(ctypes.c_size_t(4 << 30))
         import pagedkv.driver
         pagedkv.driver.is_available = lambda: True
@@ -604,3 +606,218 @@ def test_demo_and_plan_choose_the_cuda_backend_over_the_stub(stub_env):
     assert f"memory {free_bytes / 2**30:.2f} GiB" in out
     bf16_row = next(line for line in out.splitlines() if line.startswith("bf16 "))
     assert bf16_row.split()[4] == f"{free_bytes // (2 * 2 * 8 * 128 * 2 * 16):,}"
+
+
+def test_async_work_runs_only_when_waited_for(stub_env):
+    """The stub queues async work per stream and runs it when the host waits, with the
+    legacy default stream syncing with blocking streams and not with non-blocking ones, so
+    a read without the right wait sees stale data, as it may on a GPU."""
+    run_on_stub(stub_env, '''
+        from cuda.bindings import driver as D
+        from pagedkv.driver import CudaBackend
+        with CudaBackend() as gpu:
+            dev = gpu.alloc(64)
+            gpu.copy_h2d(np.full(64, 1, np.uint8), dev)
+            s1, s2 = gpu.create_stream(), gpu.create_stream()
+            with gpu.alloc_pinned(64) as pin:
+                pin.array[:] = 0
+                gpu.copy_d2h_async(dev, pin, s1)
+                assert (pin.array == 0).all(), "nothing ran yet: the host has not waited"
+                assert STUB.stub_pending_work() == 1
+                gpu.synchronize(s1)
+                assert (pin.array == 1).all() and STUB.stub_pending_work() == 0
+                # a blocking stream's work runs before a later synchronous (legacy) copy
+                gpu.memset_async(dev, 2, 64, s1)
+                out = np.zeros(64, np.uint8)
+                gpu.copy_d2h(dev, out)
+                assert (out == 2).all()
+                # a stream waiting on an event recorded on another runs that stream's work first
+                gpu.memset_async(dev, 3, 32, s1)
+                event = D.cuEventCreate(2)[1]
+                assert D.cuEventRecord(event, D.CUstream(s1))[0] == 0
+                assert D.cuEventQuery(event)[0] == D.CUresult.CUDA_ERROR_NOT_READY
+                assert D.cuStreamWaitEvent(D.CUstream(s2), event, 0)[0] == 0
+                gpu.copy_d2h_async(dev, pin, s2)
+                gpu.synchronize(s2)
+                assert pin.array[:32].tolist() == [3] * 32 and pin.array[32:].tolist() == [2] * 32
+                assert D.cuEventQuery(event)[0] == 0
+                assert D.cuEventDestroy(event)[0] == 0
+                # a non-blocking stream is not waited for by the legacy stream
+                err, nb = D.cuStreamCreate(1)
+                assert err == 0
+                assert D.cuMemsetD8Async(int(dev), 4, 64, nb)[0] == 0
+                gpu.copy_d2h(dev, out)
+                assert (out == 2).sum() == 32 and (out == 3).sum() == 32, "the legacy copy did not wait for it"
+                assert D.cuStreamSynchronize(nb)[0] == 0
+                gpu.copy_d2h(dev, out)
+                assert (out == 4).all()
+                assert D.cuStreamDestroy(nb)[0] == 0
+            gpu.destroy_stream(s1)
+            gpu.destroy_stream(s2)
+            gpu.free(dev)
+    ''')
+
+
+def test_a_missing_wait_in_the_backend_shows_as_wrong_data(stub_env):
+    """reduce_bf16_blocks reads its result from pinned memory after cuEventSynchronize;
+    without that wait the copy of the result has not run and the numbers are wrong."""
+    run_on_stub(stub_env, '''
+        from cuda.bindings import driver as D
+        from pagedkv.driver import CudaBackend
+        import ml_dtypes
+        with CudaBackend() as gpu:
+            values = np.arange(1, 2049, dtype=np.float32).astype(ml_dtypes.bfloat16)
+            g = gpu.alloc(values.nbytes)
+            gpu.copy_h2d(values.view(np.uint8), g)
+            regions = gpu.create_block_regions([(int(g), 4096, 4096)])
+            right = gpu.reduce_bf16_blocks(regions, 0, [0], 0)
+            assert right.sum == float(values.astype(np.float64).sum()), right
+            real = D.cuEventSynchronize
+            D.cuEventSynchronize = lambda event: (D.CUresult(0),)  # the planted bug: no wait
+            try:
+                wrong = gpu.reduce_bf16_blocks(regions, 0, [0], 0)
+            finally:
+                D.cuEventSynchronize = real
+            assert STUB.stub_pending_work() > 0, "the reduction is still queued"
+            assert tuple(wrong) != tuple(right), wrong
+            assert gpu.reduce_bf16_blocks(regions, 0, [0], 0) == right
+            gpu.destroy_block_regions(regions)
+            gpu.free(g)
+    ''')
+
+
+def test_per_thread_default_stream_entry_points(stub_env):
+    """With cuda-python's per-thread default stream, stream 0 is this thread's stream and a
+    synchronous copy waits only for it (and the legacy stream), not for other streams."""
+    env = dict(stub_env, CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM="1")
+    run_on_stub(env, '''
+        from cuda.bindings import driver as D
+        from pagedkv.driver import CudaBackend
+        with CudaBackend() as gpu:
+            dev = gpu.alloc(64)
+            gpu.copy_h2d(np.full(64, 1, np.uint8), dev)
+            s1 = gpu.create_stream()
+            gpu.memset_async(dev, 2, 64, s1)
+            out = np.zeros(64, np.uint8)
+            gpu.copy_d2h(dev, out)
+            assert (out == 1).all(), "under per-thread default streams a sync copy does not wait for s1"
+            gpu.synchronize(s1)
+            gpu.copy_d2h(dev, out)
+            assert (out == 2).all()
+            gpu.memset_async(dev, 5, 64, 0)  # stream 0 is the per-thread stream: the sync copy waits for it
+            gpu.copy_d2h(dev, out)
+            assert (out == 5).all()
+            gpu.destroy_stream(s1)
+            gpu.free(dev)
+    ''')
+
+
+def test_a_kernel_fault_is_sticky_until_the_context_is_released(stub_env):
+    """A fault in queued work (the reduction launched on an odd base: misaligned 2-byte
+    loads) fails the wait that ran it with CUDA_ERROR_MISALIGNED_ADDRESS and every later
+    call, as a GPU context error does; the primary context's last release resets it."""
+    run_on_stub(stub_env, '''
+        STUB.stub_fault_message.restype = ctypes.c_char_p
+        from cuda.bindings import driver as D
+        from pagedkv.driver import CudaBackend, CudaError, backend
+        gpu = CudaBackend()
+        g, idx, partials = gpu.alloc(8192), gpu.alloc(4), gpu.alloc(24)
+        gpu.copy_h2d(np.zeros(1, np.int32), idx)
+        module, function = raw_kernel("reduce_bf16.cu", "pagedkv_reduce_bf16_partial")
+        assert raw_launch(function, 1, getattr(backend, "THREADS", 256), 0, ctypes.c_int64(int(g) + 1),
+                          ctypes.c_int64(4096), ctypes.c_int64(4094), ctypes.c_uint64(int(idx)), ctypes.c_int32(1),
+                          ctypes.c_uint64(int(partials))) == 0
+        assert STUB.stub_sticky_status() == 0, "the launch is queued, not run"
+        try:
+            gpu.synchronize(0)
+        except CudaError as err:
+            assert err.status == 716 and err.status_name == "CUDA_ERROR_MISALIGNED_ADDRESS", err
+        else:
+            raise AssertionError("a misaligned load must fail the launch")
+        message = STUB.stub_fault_message().decode()
+        assert "pagedkv_reduce_bf16_partial" in message and "misaligned" in message and "2-byte" in message, message
+        try:
+            gpu.alloc(16)
+        except CudaError as err:
+            assert err.status == 716, err
+        else:
+            raise AssertionError("the fault must be sticky")
+        try:
+            gpu.close()
+        except CudaError:
+            pass
+        assert STUB.stub_primary_refs() == 0 and STUB.stub_sticky_status() == 0
+        assert STUB.stub_live_allocations() == 0
+        with CudaBackend() as again:
+            again.free(again.alloc(16))
+    ''')
+
+
+def test_a_kernel_running_past_an_allocation_is_an_illegal_address(stub_env):
+    """Stub allocations have an inaccessible page on each side, so a kernel that runs past
+    one (a fill row longer than its allocation, launched around CudaBackend's checks)
+    fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of writing into the host."""
+    run_on_stub(stub_env, '''
+        STUB.stub_fault_message.restype = ctypes.c_char_p
+        from pagedkv.driver import CudaBackend, CudaError, backend
+        gpu = CudaBackend()
+        pool, table, idx = gpu.alloc(1000), gpu.alloc(24), gpu.alloc(4)
+        gpu.copy_h2d(np.array([int(pool), 1000, 1000 + 8192], np.int64), table)
+        gpu.copy_h2d(np.zeros(1, np.int32), idx)
+        module, function = raw_kernel("fill_blocks.cu", "pagedkv_fill_blocks")
+        assert raw_launch(function, 1, getattr(backend, "THREADS", 256), 0, ctypes.c_uint64(int(table)),
+                          ctypes.c_int32(1), ctypes.c_uint64(int(idx)), ctypes.c_int32(1), ctypes.c_uint32(7)) == 0
+        try:
+            gpu.synchronize(0)
+        except CudaError as err:
+            assert err.status == 700 and err.status_name == "CUDA_ERROR_ILLEGAL_ADDRESS", err
+        else:
+            raise AssertionError("writing 8 KiB past an allocation must fault")
+        message = STUB.stub_fault_message().decode()
+        assert "pagedkv_fill_blocks" in message and "illegal memory access at address" in message, message
+        try:
+            gpu.close()
+        except CudaError:
+            pass
+        assert STUB.stub_primary_refs() == 0 and STUB.stub_sticky_status() == 0
+    ''')
+
+
+def test_bad_harness_settings_are_refused_with_their_value(stub_env, tmp_path):
+    """A CTA order, SM count or kernel library the stub cannot use is refused, naming it."""
+    out = run_on_stub(dict(stub_env, PAGEDKV_HARNESS_ORDER="sideways"), '''
+        STUB.stub_fault_message.restype = ctypes.c_char_p
+        from pagedkv.driver import CudaBackend, CudaError
+        with CudaBackend() as gpu:
+            regions = gpu.create_block_regions([(int(gpu.alloc(64)), 64, 64)])
+            try:
+                gpu.fill_blocks(regions, [0], 1, 0)
+            except CudaError as err:
+                assert err.status == 1 and err.call == "cuLaunchKernel", err
+            else:
+                raise AssertionError("an unknown CTA order must be refused")
+            assert STUB.stub_fault_message() == b"PAGEDKV_HARNESS_ORDER=sideways is not ascending, descending or random:SEED"
+        print("refused")
+    ''')
+    assert "refused" in out
+    run_on_stub(dict(stub_env, PAGEDKV_STUB_SMS="two"), '''
+        from pagedkv.driver import CudaBackend, CudaError
+        try:
+            CudaBackend()
+        except CudaError as err:
+            assert err.call == "cuDeviceGetAttribute" and err.status == 1, err
+        else:
+            raise AssertionError("PAGEDKV_STUB_SMS=two must be refused")
+    ''')
+    missing = tmp_path / "libmissing.so"
+    run_on_stub(dict(stub_env, PAGEDKV_HARNESS_LIBS=str(missing)), f'''
+        STUB.stub_harness_error.restype = ctypes.c_char_p
+        from pagedkv.driver import CudaBackend, CudaError
+        try:
+            CudaBackend()
+        except CudaError as err:
+            assert err.call == "cuModuleGetFunction" and err.status == 500, err
+        else:
+            raise AssertionError("no kernels without their library")
+        assert {str(missing)!r}.encode() in STUB.stub_harness_error(), STUB.stub_harness_error()
+    ''')

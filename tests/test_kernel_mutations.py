@@ -80,3 +80,34 @@ def test_planted_bug_fails_its_check(stub_env, tmp_path, kind, filename):
     )
     # it failed on a wrong result or a launch fault, not on something unrelated
     assert "AssertionError" in proc.stderr or "CudaError" in proc.stderr, proc.stderr[-2000:]
+
+
+SYNTHETIC = '''__device__ int helper(int n) { for (int i = 0; i < n; i++) {} return n; }
+extern "C" __global__ void __launch_bounds__(256) first(const int* p, int n)
+{
+    for (int w = 0; w < n; w++) { if (p[w]) { } }
+    for (int j = 0; j < LIMBS; j++) {}
+    __syncthreads();
+    __syncthreads();
+}
+extern "C" __global__ void second(int m) { for (long b = 0; b < m * 2; b += 1) {} }
+'''
+
+
+def test_mutations_land_in_every_kernel_and_nowhere_else():
+    cta = mutate(SYNTHETIC, "cta_does_nothing")
+    assert cta.count("if (blockIdx.x == 1) return;") == 2
+    assert cta.index("int n)\n{\n    if (blockIdx.x == 1) return;") > 0 and "void second(int m) {\n    if (blockIdx" in cta
+    thread0 = mutate(SYNTHETIC, "thread0_does_nothing")
+    assert thread0.count("if (threadIdx.x == 0) return;") == 2
+    tail = mutate(SYNTHETIC, "tail_off_by_one")
+    assert "w < (n) - 1" in tail and "b < (m * 2) - 1" in tail
+    assert "i < n;" in tail and "j < LIMBS;" in tail, "helpers and constant bounds are left alone"
+    sync = mutate(SYNTHETIC, "missing_syncthreads")
+    assert sync.count("__syncthreads();") == 1 and "planted" in sync
+    with pytest.raises(MutationNotApplicable):
+        mutate("__device__ void f() {}", "cta_does_nothing")
+    with pytest.raises(MutationNotApplicable):
+        mutate('extern "C" __global__ void k() {}', "missing_syncthreads")
+    with pytest.raises(ValueError, match="unknown mutation kind 'nope'"):
+        mutate(SYNTHETIC, "nope")

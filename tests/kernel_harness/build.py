@@ -33,7 +33,7 @@ CXX_FLAGS = (
 KERNEL_FLAGS = ("-fsanitize=alignment", "-fno-sanitize-recover=alignment")
 
 _KERNEL = re.compile(
-    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?([A-Za-z_]\w*)\s*\('
+    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^),]*)[^)]*\)\s*)?([A-Za-z_]\w*)\s*\('
 )
 
 
@@ -43,7 +43,12 @@ class HarnessBuildError(RuntimeError):
 
 def kernel_names(source: str) -> list[str]:
     """The `extern "C" __global__` function names declared in a kernel source, in order."""
-    return _KERNEL.findall(source)
+    return [name for _, name in _KERNEL.findall(source)]
+
+
+def kernel_bounds(source: str) -> list[tuple[str, str]]:
+    """(name, first `__launch_bounds__` argument as written, or "0") of each kernel."""
+    return [(name, bound.strip() or "0") for bound, name in _KERNEL.findall(source)]
 
 
 def compiler() -> str | None:
@@ -86,14 +91,14 @@ def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime: Path,
     """lib<stem>.so for one kernel source; HarnessBuildError when it declares no kernel or
     does not compile."""
     source = source.resolve()
-    names = kernel_names(source.read_text())
+    names = kernel_bounds(source.read_text())
     if not names:
         raise HarnessBuildError(f"{source} declares no extern \"C\" __global__ kernel")
     unit = out_dir / f"{source.stem}_harness.cc"
     unit.write_text(
         f'#include "{source}"\n#include "harness.h"\n'
         'extern "C" const PkvKernel pkv_kernel_table[] = {\n'
-        + "".join(f"    PKV_KERNEL({n}),\n" for n in names)
+        + "".join(f"    PKV_KERNEL({n}, {bound}),\n" for n, bound in names)
         + "};\n"
         f'extern "C" const int pkv_kernel_table_size = {len(names)};\n'
     )

@@ -3,7 +3,9 @@
 operation on HostBackend and asserts they agree, under two CTA orders.
 
 - fill / copy: every byte of every pool allocation, guard bytes around each pool
-  included, equal to HostBackend's; the guards equal to the seed.
+  included, equal to HostBackend's; the guards equal to the seed. Rows mix 16-byte
+  aligned blocks with and without tails and unaligned block starts; at 2 SMs some
+  launch has more items than CTAs, so the grid-stride loops wrap.
 - reduce: on BF16 data whose sums are exact in float64 whatever the order (small
   integers times small powers of two), the three sums equal HostBackend's exactly; on
   Gaussian data, close to HostBackend's and bit-identical across CTA orders.
@@ -30,7 +32,8 @@ GUARD = 64
 # (stride, nbytes, offset of the pool in its allocation after the guard): vector bodies
 # with and without tails, unaligned block starts (byte paths), one large block
 ROWS = [(4096, 4096, 0), (112, 100, 0), (80, 64, 16), (37, 29, 3), (528, 520, 8)]
-NBLOCKS = 12
+NBLOCKS = 16
+SMS = {sms}
 
 def pools(gpu, host, seed):
     """One allocation per row on both backends, seeded alike: [(gptr, hptr, size, base offset)]."""
@@ -76,11 +79,14 @@ for order in ORDERS:
         allocations = pools(gpu, host, 1)
         g, h = regions_of(gpu, allocations, 0), regions_of(host, allocations, 1)
         stream = gpu.create_stream()
+        wrapped = False
         for blocks, value, s in (([5, 0, 7, 11, 2], 0xAB, stream), (list(range(NBLOCKS)), 0x00, 0), ([3], 0xFF, stream)):
             gpu.fill_blocks(g, blocks, value, s)
             host.fill_blocks(h, blocks, value, 0)
+            wrapped |= launch(-1)[0].grid[0] < len(ROWS) * len(blocks)
             gpu.synchronize(s)
             compare(gpu, host, allocations, ("fill", order, blocks, value))
+        assert wrapped or SMS > 2, "at 2 SMs some fill must have more items than CTAs (grid-stride loop)"
         gpu.destroy_stream(stream)
         release(gpu, host, allocations, [[g]])
 print("CHECK fill ok")
@@ -94,11 +100,14 @@ for order in ORDERS:
         allocations = pools(gpu, host, 2)
         g, h = regions_of(gpu, allocations, 0), regions_of(host, allocations, 1)
         stream = gpu.create_stream()
-        for src, dst, s in (([1, 3, 8, 0], [4, 9, 10, 11], stream), ([11], [2], 0), (list(range(6)), list(range(6, 12)), stream)):
+        wrapped = False
+        for src, dst, s in (([1, 3, 8, 0], [4, 9, 10, 11], stream), ([11], [2], 0), (list(range(8)), list(range(8, 16)), stream)):
             gpu.copy_blocks(g, src, dst, s)
             host.copy_blocks(h, src, dst, 0)
+            wrapped |= launch(-1)[0].grid[0] < len(ROWS) * len(src)
             gpu.synchronize(s)
             compare(gpu, host, allocations, ("copy", order, src, dst))
+        assert wrapped or SMS > 2, "at 2 SMs some copy must have more items than CTAs (grid-stride loop)"
         gpu.destroy_stream(stream)
         release(gpu, host, allocations, [[g]])
 print("CHECK copy ok")
@@ -135,6 +144,7 @@ for order in ORDERS:
                 else:
                     assert np.allclose(got, want, rtol=1e-12, atol=0), ("reduce", order, region, got, want)
                 results.setdefault((name, region), set()).add(tuple(got))
+                assert SMS > 2 or launch(-2)[0].grid[0] < len(blocks), "at 2 SMs the partial pass must wrap"
             gpu.destroy_block_regions(gr)
             gpu.free(g)
             host.free(h)

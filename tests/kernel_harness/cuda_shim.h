@@ -110,6 +110,66 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return {(unsigned short)(rounded >> 16)};
 }
 static inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned int)h.bits << 16); }
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }
+
+// ---- integer intrinsics ----------------------------------------------------------------
+static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+static inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
+static inline int __ffs(int x) { return __builtin_ffs(x); }
+static inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+static inline unsigned int __brev(unsigned int x) {
+    x = (x >> 1 & 0x55555555u) | (x & 0x55555555u) << 1;
+    x = (x >> 2 & 0x33333333u) | (x & 0x33333333u) << 2;
+    x = (x >> 4 & 0x0F0F0F0Fu) | (x & 0x0F0F0F0Fu) << 4;
+    return __builtin_bswap32(x);
+}
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) { return (unsigned int)((unsigned long long)a * b >> 32); }
+static inline int __mulhi(int a, int b) { return (int)((long long)a * b >> 32); }
+static inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)((unsigned __int128)a * b >> 64);
+}
+static inline long long __mul64hi(long long a, long long b) { return (long long)((__int128)a * b >> 64); }
+static inline unsigned int __funnelshift_l(unsigned int lo, unsigned int hi, unsigned int s) {
+    const unsigned long long v = (unsigned long long)hi << 32 | lo;
+    return (unsigned int)((v << (s & 31u)) >> 32);
+}
+static inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int s) {
+    const unsigned long long v = (unsigned long long)hi << 32 | lo;
+    return (unsigned int)(v >> (s & 31u));
+}
+static inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const unsigned long long v = (unsigned long long)y << 32 | x;
+    unsigned int out = 0;
+    for (int i = 0; i < 4; i++) out |= (unsigned int)(v >> (8 * ((s >> (4 * i)) & 7u)) & 0xFFu) << (8 * i);
+    return out;
+}
+template <class T>
+static inline T min(T a, T b) { return b < a ? b : a; }
+template <class T>
+static inline T max(T a, T b) { return a < b ? b : a; }
+
+// ---- atomics: plain read-modify-writes, exact because nothing runs concurrently --------
+template <class T>
+static inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <class T>
+static inline T atomicSub(T* p, T v) { T old = *p; *p = old - v; return old; }
+template <class T>
+static inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
+template <class T>
+static inline T atomicMin(T* p, T v) { T old = *p; *p = v < old ? v : old; return old; }
+template <class T>
+static inline T atomicMax(T* p, T v) { T old = *p; *p = old < v ? v : old; return old; }
+template <class T>
+static inline T atomicOr(T* p, T v) { T old = *p; *p = old | v; return old; }
+template <class T>
+static inline T atomicAnd(T* p, T v) { T old = *p; *p = old & v; return old; }
+template <class T>
+static inline T atomicCAS(T* p, T expected, T v) { T old = *p; if (old == expected) *p = v; return old; }
+static inline void __threadfence() {}
+static inline void __threadfence_block() {}
 
 // ---- memory intrinsics: alignment checked like every other access ---------------------
 #define PKV_LOAD(name)                                                                         \

@@ -15,6 +15,7 @@ struct PkvKernel {
     int sizes[PKV_MAX_PARAMS];
     int aligns[PKV_MAX_PARAMS];
     void (*entry)(void** params);
+    int max_threads;  // from __launch_bounds__; 0 when the kernel declares none
 };
 
 template <class F>
@@ -34,14 +35,16 @@ struct PkvSignature<void (*)(A...)> {
         call_with<F>(params, std::index_sequence_for<A...>{});
     }
     template <void (*F)(A...)>
-    static PkvKernel make(const char* name) {
+    static PkvKernel make(const char* name, int max_threads) {
         PkvKernel k{name, (int)sizeof...(A), {(int)sizeof(std::remove_cvref_t<A>)...},
-                    {(int)alignof(std::remove_cvref_t<A>)...}, &call<F>};
+                    {(int)alignof(std::remove_cvref_t<A>)...}, &call<F>, max_threads};
         return k;
     }
 };
 
-#define PKV_KERNEL(fn) PkvSignature<decltype(&fn)>::make<&fn>(#fn)
+// `bound` is the first __launch_bounds__ argument as written in the source (0: none),
+// evaluated here so that macros and -D values resolve as in the kernel.
+#define PKV_KERNEL(fn, bound) PkvSignature<decltype(&fn)>::make<&fn>(#fn, (int)(bound))
 
 extern "C" {
 extern const PkvKernel pkv_kernel_table[];

@@ -5,7 +5,7 @@ survive edits to the kernels.
 
 Kinds: `cta_does_nothing` (`if (blockIdx.x == 1) return;` first in each kernel),
 `thread0_does_nothing` (`if (threadIdx.x == 0) return;`), `tail_off_by_one` (the last
-`for` loop of each kernel stops one item early), `missing_syncthreads` (the first
+`for` loop of each kernel with a run-time bound stops one item early), `missing_syncthreads` (the first
 `__syncthreads()` of the file is gone).
 """
 
@@ -55,9 +55,12 @@ def _tail_off_by_one(source: str) -> str:
     out, at, changed = [], 0, 0
     for start, end in kernel_bodies(source):
         loops = list(_FOR_CONDITION.finditer(source, start, end))
-        if not loops:
+        # a run-time bound (a parameter or a value computed from one: `nbytes`, `r.nbytes`),
+        # not a constant such as `4` or `LIMBS`, is where a tail is cut
+        runtime = [m for m in loops if re.search(r"\b[a-z_]\w*\b", m.group(2))]
+        if not (runtime or loops):
             continue
-        last = loops[-1]
+        last = (runtime or loops)[-1]
         out += [source[at:last.start(2)], f"({last.group(2)}) - 1"]
         at = last.end(2)
         changed += 1

@@ -3,6 +3,7 @@
 // are fibers (ucontext) switched only at barriers, warp exchanges and exits, so a run is
 // deterministic for a given order. Faults (misaligned access, __trap, barrier
 // divergence) end the launch with a CUDA status and a message.
+#include <signal.h>
 #include <ucontext.h>
 
 #include <cstdarg>
@@ -116,9 +117,11 @@ void run_fiber(Launch* L, unsigned t) {
     L->current = (int)t;
     pkv_threadIdx = f.tid;
     swapcontext(&L->scheduler, &f.ctx);
+    L->current = -1;
 }
 
-// Release warps whose every masked lane waits in an exchange; false if none could be.
+// Release warps whose every masked lane waits in the same kind of exchange; false if none
+// could be (or the launch failed: lanes of one mask in different intrinsics).
 bool release_warps(Launch* L) {
     bool released = false;
     const unsigned nwarps = (L->nthreads + 31) / 32;
@@ -134,6 +137,16 @@ bool release_warps(Launch* L) {
         }
         if (!waiting) continue;
         if (mixed || waiting != mask) continue;  // someone in the mask has not arrived yet
+        const Fiber& lead = L->fibers[w * 32 + (unsigned)__builtin_ctz(waiting)];
+        for (unsigned lane = 0; lane < 32; lane++) {
+            const Fiber& f = L->fibers[w * 32 + lane];
+            if ((waiting >> lane & 1u) && f.warp_mode != lead.warp_mode) {
+                pkv_threadIdx = f.tid;
+                fail(LAUNCH_FAILED, "warp divergence: lanes of mask 0x%08x in different warp intrinsics (%s:%d, %s:%d)",
+                     mask, f.site_file, f.site_line, lead.site_file, lead.site_line);
+                return false;
+            }
+        }
         for (unsigned lane = 0; lane < 32; lane++)
             if (waiting >> lane & 1u) L->fibers[w * 32 + lane].state = READY;
         released = true;
@@ -142,7 +155,7 @@ bool release_warps(Launch* L) {
 }
 
 // Run one CTA to completion; false when the launch failed.
-bool run_cta(Launch* L, uint3 block, uint64_t seed, int order) {
+bool run_cta(Launch* L, uint3 block) {
     pkv_blockIdx = block;
     char* const shared_begin = __start_pkv_shared;
     char* const shared_end = __stop_pkv_shared;
@@ -160,8 +173,6 @@ bool run_cta(Launch* L, uint3 block, uint64_t seed, int order) {
         f.ctx.uc_link = &L->scheduler;
         makecontext(&f.ctx, fiber_main, 0);
     }
-    (void)seed;
-    (void)order;
     for (;;) {
         bool ran = false;
         for (unsigned t : L->thread_order) {
@@ -172,6 +183,7 @@ bool run_cta(Launch* L, uint3 block, uint64_t seed, int order) {
         }
         if (ran) continue;
         if (release_warps(L)) continue;
+        if (L->status != OK) return false;
         // nobody can run: every live fiber waits at a barrier (or the CTA is done)
         const Fiber* first = nullptr;
         bool stuck_in_warp = false;
@@ -286,6 +298,19 @@ uint64_t pkv_warp_exchange(unsigned mask, uint64_t value, int mode, int arg, int
     return out;
 }
 
+// A kernel touching unmapped memory (the stub keeps a guard page on each side of every
+// allocation) ends the launch with CUDA_ERROR_ILLEGAL_ADDRESS.
+static void on_memory_fault(int sig, siginfo_t* info, void*) {
+    if (!active || active->current < 0) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    fail(ILLEGAL_ADDRESS, "illegal %s at address %p", sig == SIGBUS ? "access (SIGBUS)" : "memory access",
+         info->si_addr);
+    abort_fiber();
+}
+
 void pkv_trap(const char* file, int line) {
     fail(LAUNCH_FAILED, "__trap() at %s:%d", file, line);
     abort_fiber();
@@ -343,6 +368,12 @@ PKV_EXPORT int pkv_harness_kernel_params(int k, int* sizes, int* aligns, int max
     return kernel.nparams;
 }
 
+// The most threads a CTA of kernel k may have (its __launch_bounds__, else 1024; -1: no kernel k).
+PKV_EXPORT int pkv_harness_kernel_max_threads(int k) {
+    if (k < 0 || k >= pkv_kernel_table_size) return -1;
+    return pkv_kernel_table[k].max_threads > 0 ? pkv_kernel_table[k].max_threads : 1024;
+}
+
 // Run kernel k over the grid; `order` 0/1/2 = CTAs (and fibers within a CTA) ascending,
 // descending or shuffled by `seed`. Returns 0 or the CUDA status of the fault described
 // in `message`. Not reentrant: the stub serialises launches.
@@ -362,6 +393,12 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
     L.message_len = message_len;
     if (message_len > 0) message[0] = 0;
     for (auto& s : L.stacks) s = static_cast<char*>(std::malloc(STACK_BYTES));
+    struct sigaction fault = {}, old_segv, old_bus;
+    fault.sa_sigaction = on_memory_fault;
+    fault.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&fault.sa_mask);
+    sigaction(SIGSEGV, &fault, &old_segv);
+    sigaction(SIGBUS, &fault, &old_bus);
     Launch* outer = active;
     active = &L;
     pkv_blockDim = {block[0], block[1], block[2]};
@@ -371,8 +408,10 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
     const std::vector<unsigned> cta_order = make_order(nblocks, order, seed);
     for (unsigned b : cta_order) {
         const uint3 idx = {b % grid[0], b / grid[0] % grid[1], b / (grid[0] * grid[1])};
-        if (!run_cta(&L, idx, seed, order)) break;
+        if (!run_cta(&L, idx)) break;
     }
+    sigaction(SIGSEGV, &old_segv, nullptr);
+    sigaction(SIGBUS, &old_bus, nullptr);
     for (auto s : L.stacks) std::free(s);
     active = outer;
     return L.status;

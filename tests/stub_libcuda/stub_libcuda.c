@@ -23,7 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -179,7 +181,13 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     if (dev < 0 || dev >= device_count) return INVALID_DEVICE;
     switch (attribute) {
     case 16:
-        if (sm_count < 0) { const char *env = getenv("PAGEDKV_STUB_SMS"); sm_count = env ? atoi(env) : 4; }
+        if (sm_count < 0) {
+            const char *env = getenv("PAGEDKV_STUB_SMS");
+            char *end = NULL;
+            long n = env ? strtol(env, &end, 10) : 4;
+            if (env && (*env == 0 || *end != 0 || n <= 0 || n > 100000)) return INVALID_VALUE; /* not an SM count */
+            sm_count = (int)n;
+        }
         *value = sm_count;
         return SUCCESS;
     case 75: *value = cc_major; return SUCCESS;
@@ -226,7 +234,22 @@ CUresult cuCtxGetCurrent(CUcontext *ctx) {
 /* ---- device memory: malloc'd host memory, every range checked ---------------------------- */
 
 #define MAX_ALLOCS 4096
-static struct { CUdeviceptr base; size_t size; } allocs[MAX_ALLOCS];
+static struct { CUdeviceptr base; size_t size; void *map; size_t map_size; } allocs[MAX_ALLOCS];
+
+/* Device memory is mapped with an inaccessible page on each side, the allocation ending
+ * as close to the upper one as 256-byte alignment allows, so a kernel running past an
+ * allocation faults (the harness reports CUDA_ERROR_ILLEGAL_ADDRESS) instead of
+ * corrupting the host. */
+static void *map_device(size_t size, void **map, size_t *map_size) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), body = (size + 255) / 256 * 256;
+    size_t pages = (body + page - 1) / page * page;
+    char *m = mmap(NULL, pages + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    if (mprotect(m + page, pages, PROT_READ | PROT_WRITE) != 0) { munmap(m, pages + 2 * page); return NULL; }
+    *map = m;
+    *map_size = pages + 2 * page;
+    return m + page + (pages - body);
+}
 static int nallocs;
 
 int stub_live_allocations(void) { return nallocs; }
@@ -243,11 +266,15 @@ CUresult cuMemAlloc(CUdeviceptr *dptr, size_t size) {
     NEED_CTX();
     if (!dptr || size == 0) return INVALID_VALUE;
     if (size > total_mem - used_mem || nallocs == MAX_ALLOCS) return OUT_OF_MEMORY;
-    void *p = aligned_alloc(256, (size + 255) / 256 * 256);
+    void *map;
+    size_t map_size;
+    void *p = map_device(size, &map, &map_size);
     if (!p) return OUT_OF_MEMORY;
     memset(p, 0xA5, size); /* like the GPU, fresh memory is not zeroed */
     allocs[nallocs].base = (CUdeviceptr)(uintptr_t)p;
     allocs[nallocs].size = size;
+    allocs[nallocs].map = map;
+    allocs[nallocs].map_size = map_size;
     nallocs++;
     used_mem += size;
     *dptr = (CUdeviceptr)(uintptr_t)p;
@@ -262,7 +289,7 @@ CUresult cuMemFree(CUdeviceptr dptr) {
     for (int i = 0; i < nallocs; i++) {
         if (allocs[i].base == dptr) {
             used_mem -= allocs[i].size;
-            free((void *)(uintptr_t)dptr);
+            munmap(allocs[i].map, allocs[i].map_size);
             allocs[i] = allocs[--nallocs];
             return SUCCESS;
         }
@@ -381,7 +408,7 @@ int stub_sticky_status(void) { return sticky_status; }
 
 
 static Stream *per_thread_stream(void) {
-    if (!thread_stream) {
+    if (!thread_stream && nqueues < 2 * MAX_HANDLES) {
         thread_stream = calloc(1, sizeof(Stream));
         thread_stream->blocking = 1;
         queues[nqueues++] = thread_stream;
@@ -401,13 +428,18 @@ static int find_handle(void **table, int n, void *h) {
  * point), 1 (CU_STREAM_LEGACY), 2 (CU_STREAM_PER_THREAD) or a live stream; NULL if none. */
 static Stream *queue_of(CUstream s) {
     uintptr_t h = (uintptr_t)s;
-    if (h == 0) return ptds_api ? per_thread_stream() : &legacy_stream;
+    if (h == 0) return ptds_api ? per_thread_stream() : &legacy_stream; /* NULL: too many threads */
     if (h == 1) return &legacy_stream;
     if (h == 2) return per_thread_stream();
     return find_handle(stream_handles, nstreams, s) >= 0 ? (Stream *)s : NULL;
 }
 
-static int stream_ok(CUstream s) { return queue_of(s) != NULL; }
+static int stream_ok(CUstream s) {
+    pthread_mutex_lock(&queue_lock);
+    int ok = queue_of(s) != NULL;
+    pthread_mutex_unlock(&queue_lock);
+    return ok;
+}
 
 static void add_dep(Op *op, Stream *s, uint64_t seq) {
     op->deps = realloc(op->deps, sizeof(Dep) * (size_t)(op->ndeps + 1));
@@ -562,8 +594,9 @@ CUresult cuStreamDestroy(CUstream s) {
     pthread_mutex_lock(&queue_lock);
     int i = find_handle(stream_handles, nstreams, s);
     if (i < 0) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
-    /* the driver finishes a destroyed stream's work; here it runs now */
-    int st = run_until((Stream *)s, UINT64_MAX);
+    /* the driver finishes a destroyed stream's work; here all queued work runs now, so no
+     * later work is left depending on the freed queue */
+    int st = run_all();
     if (st) { pthread_mutex_unlock(&queue_lock); return st; }
     stream_handles[i] = stream_handles[--nstreams];
     int q = find_handle((void **)queues, nqueues, s);
@@ -780,6 +813,7 @@ typedef int (*HarnessCount)(void);
 typedef const char *(*HarnessName)(int);
 typedef int (*HarnessParams)(int, int *, int *, int);
 typedef int (*HarnessLaunch)(int, const unsigned *, const unsigned *, void **, int, unsigned long long, char *, int);
+typedef int (*HarnessMaxThreads)(int);
 
 typedef struct {
     void *handle;
@@ -787,11 +821,16 @@ typedef struct {
     HarnessName name;
     HarnessParams params;
     HarnessLaunch launch;
+    HarnessMaxThreads max_threads;
 } HarnessLib;
 
 #define MAX_LIBS 32
 static HarnessLib libs[MAX_LIBS];
 static int nlibs = -1; /* -1: PAGEDKV_HARNESS_LIBS not read yet */
+static char harness_error[512];
+
+/* Why a library of PAGEDKV_HARNESS_LIBS could not be used ("" when all loaded). */
+const char *stub_harness_error(void) { return harness_error; }
 
 struct Function {
     char name[64];
@@ -799,6 +838,7 @@ struct Function {
     int index;
     int nparams;
     int sizes[MAX_PARAMS], aligns[MAX_PARAMS];
+    int max_threads; /* __launch_bounds__, else 1024 */
 };
 
 #define MAX_FUNCTIONS 64
@@ -818,15 +858,23 @@ static void load_harness(void) {
     char *copy = strdup(list), *save = NULL;
     for (char *path = strtok_r(copy, ":", &save); path && nlibs < MAX_LIBS; path = strtok_r(NULL, ":", &save)) {
         void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-        if (!h) continue;
+        if (!h) {
+            if (!harness_error[0]) snprintf(harness_error, sizeof harness_error, "%s", dlerror());
+            continue;
+        }
         HarnessLib *lib = &libs[nlibs];
         lib->handle = h;
         lib->count = (HarnessCount)dlsym(h, "pkv_harness_kernel_count");
         lib->name = (HarnessName)dlsym(h, "pkv_harness_kernel_name");
         lib->params = (HarnessParams)dlsym(h, "pkv_harness_kernel_params");
         lib->launch = (HarnessLaunch)dlsym(h, "pkv_harness_launch");
-        if (lib->count && lib->name && lib->params && lib->launch) nlibs++;
-        else dlclose(h);
+        lib->max_threads = (HarnessMaxThreads)dlsym(h, "pkv_harness_kernel_max_threads");
+        if (lib->count && lib->name && lib->params && lib->launch && lib->max_threads) {
+            nlibs++;
+        } else {
+            if (!harness_error[0]) snprintf(harness_error, sizeof harness_error, "%s is not a kernel harness library", path);
+            dlclose(h);
+        }
     }
     free(copy);
 }
@@ -884,6 +932,8 @@ CUresult cuModuleUnload(CUmodule mod) {
     NEED_CTX();
     int i = find_handle(modules, nmodules, mod);
     if (i < 0) return INVALID_HANDLE;
+    int st = drain_all(); /* queued launches of its functions run first */
+    if (st) return st;
     free(((Module *)mod)->image);
     free(mod);
     modules[i] = modules[--nmodules];
@@ -910,6 +960,7 @@ CUresult cuModuleGetFunction(CUfunction *f, CUmodule mod, const char *name) {
     fn->lib = lib;
     fn->index = index;
     fn->nparams = n;
+    fn->max_threads = lib->max_threads(index);
     m->nfunctions++;
     *f = fn;
     return SUCCESS;
@@ -938,19 +989,27 @@ int stub_launch_get(long i, LaunchRecord *out) {
     return 0;
 }
 
-/* CTA order of launches: PAGEDKV_HARNESS_ORDER = ascending (default), descending or random:SEED. */
+/* CTA order of launches: PAGEDKV_HARNESS_ORDER = ascending (default), descending or
+ * random:SEED; -1 (and the reason in the fault message) for anything else. */
 static int launch_order(unsigned long long *seed) {
     const char *s = getenv("PAGEDKV_HARNESS_ORDER");
     *seed = 0;
     if (!s || strcmp(s, "ascending") == 0) return 0;
     if (strcmp(s, "descending") == 0) return 1;
-    if (strncmp(s, "random:", 7) == 0) { *seed = strtoull(s + 7, NULL, 10); return 2; }
-    return 0;
+    if (strncmp(s, "random:", 7) == 0 && s[7] >= '0' && s[7] <= '9') {
+        char *end;
+        *seed = strtoull(s + 7, &end, 10);
+        if (*end == 0) return 2;
+    }
+    snprintf(fault_message, sizeof fault_message,
+             "PAGEDKV_HARNESS_ORDER=%.200s is not ascending, descending or random:SEED", s);
+    return -1;
 }
 
 static int execute_launch(Op *op) {
     unsigned long long seed;
     int order = launch_order(&seed);
+    if (order < 0) return INVALID_VALUE;
     Function *fn = op->fn;
     char message[400];
     int st = fn->lib->launch(fn->index, op->grid, op->block, op->params, order, seed, message, (int)sizeof message);
@@ -966,6 +1025,9 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024) return INVALID_VALUE;
     if (shared != 0) return INVALID_VALUE; /* the harness has no dynamic shared memory yet */
     Function *fn = f;
+    if (bx * by * bz > (unsigned)fn->max_threads) return INVALID_VALUE; /* past its __launch_bounds__ */
+    unsigned long long seed;
+    if (launch_order(&seed) < 0) return INVALID_VALUE;
     /* the packed arguments must be laid out for the C++ parameter types: each pointer
      * aligned for its type, and consecutive pointers into one argument block at least
      * the previous parameter's size apart */
@@ -1003,8 +1065,10 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
         at += ((size_t)fn->sizes[i] + 15) / 16 * 16;
     }
     pthread_mutex_lock(&queue_lock);
-    enqueue(queue_of(s), op);
+    Stream *q = queue_of(s);
+    if (q) enqueue(q, op);
     pthread_mutex_unlock(&queue_lock);
+    if (!q) { free_op(op); return INVALID_HANDLE; }
     return SUCCESS;
 }
 
@@ -1044,7 +1108,7 @@ PTDS(CUresult, cuLaunchKernel, "cuLaunchKernel",
 static void reset_device(void) {
     pthread_mutex_lock(&queue_lock);
     reset_queues();
-    for (int i = 0; i < nallocs; i++) free((void *)(uintptr_t)allocs[i].base);
+    for (int i = 0; i < nallocs; i++) munmap(allocs[i].map, allocs[i].map_size);
     nallocs = 0;
     used_mem = 0;
     for (int i = 0; i < nhost; i++) free(host_allocs[i]);
@@ -1090,7 +1154,17 @@ static void *lookup(const char *symbol, uint64_t flags) {
         if (strcmp(ENTRY_POINTS[i].name, symbol) == 0)
             return (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && ENTRY_POINTS[i].ptds
                        ? ENTRY_POINTS[i].ptds : ENTRY_POINTS[i].fn;
-    return NULL;
+    /* any other cu* function this library exports (entry points added further down) */
+    if (strncmp(symbol, "cu", 2) != 0) return NULL;
+    Dl_info self;
+    if (!dladdr((void *)lookup, &self)) return NULL;
+    void *handle = dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    if (!handle) return NULL;
+    void *fn = dlsym(handle, symbol);
+    Dl_info where;
+    if (fn && (!dladdr(fn, &where) || strcmp(where.dli_fname, self.dli_fname) != 0)) fn = NULL; /* not ours */
+    dlclose(handle);
+    return fn;
 }
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
