@@ -2,7 +2,7 @@
 """pagedkv benchmarks: each section measures ours and its baseline side by side in one run
 and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU one.
 
-Sections live in their own modules beside this file (bench_host.py, bench_gpu.py,
+Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
 bench_quality.py); each exposes `run(args) -> None` and prints its own table.
 """
 
@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = {
     "host": ("bench_host", False),
     "quality": ("bench_quality", False),
+    "serving": ("bench_serving", False),
     "gpu": ("bench_gpu", True),
 }
 
