@@ -13,6 +13,7 @@ enqueued); the cache never owns the backend.
 from __future__ import annotations
 
 import collections
+import itertools
 import operator
 from typing import Iterable, Mapping, Sequence
 
@@ -170,16 +171,33 @@ class PagedKvCache:
         try:
             block = self._free.pop()
         except IndexError:
-            block = self._pop_after_eviction()
+            return self._alloc_after_eviction()
         self._refs[block] = 1
         if self._tracer is not None:
             self._tracer.record(block, "alloc", 1)
         return block
 
-    def _pop_after_eviction(self) -> int:
-        if self._prefix_cache is None or not self._prefix_cache.reclaim(1):
+    def _alloc_after_eviction(self) -> int:
+        prefix = self._prefix_cache
+        if prefix is None or not prefix.reclaim(1):
             raise self._exhausted(1)
-        return self._free.pop()
+        block = self._free.pop()
+        self._refs[block] = 1
+        if self._tracer is not None:
+            self._tracer.record(block, "alloc", 1)
+        self._deliver_after_alloc([block])
+        return block
+
+    def _deliver_after_alloc(self, taken: list[int]) -> None:
+        """Let the prefix cache deliver the events of the eviction just used, now that the
+        allocation is complete; if a consumer raises, the blocks go back (nothing taken)."""
+        try:
+            self._prefix_cache.deliver_events()
+        except BaseException:
+            for block in taken:
+                self._refs[block] = 0
+            self._free.extend(reversed(taken))
+            raise
 
     def try_alloc_block(self) -> int | None:
         """Like `alloc_block`, but None when no block is free or evictable (or after `release`)."""
@@ -197,7 +215,8 @@ class PagedKvCache:
         cannot make `n` free."""
         n = non_negative_int(n, "number of blocks")
         free = self._free
-        if n > len(free) and (self._prefix_cache is None or not self._prefix_cache.reclaim(n - len(free))):
+        reclaimed = n > len(free)
+        if reclaimed and (self._prefix_cache is None or not self._prefix_cache.reclaim(n - len(free))):
             raise self._exhausted(n)
         if n == 0:
             return []
@@ -210,6 +229,8 @@ class PagedKvCache:
         if self._tracer is not None:
             for block in taken:
                 self._tracer.record(block, "alloc", 1)
+        if reclaimed:
+            self._deliver_after_alloc(taken)
         return taken
 
     def _exhausted(self, wanted: int) -> KvCacheError:
@@ -236,9 +257,9 @@ class PagedKvCache:
         if not self._all_valid(blocks):
             blocks = [self._block(b) for b in blocks]
         refs = self._refs
-        for block in blocks:
-            if refs[block] == 0:
-                raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
+        if blocks and 0 in _counts_of(refs, blocks):
+            block = next(b for b in blocks if refs[b] == 0)
+            raise RefCountError(f"inc_ref of free block {block}{self._history_suffix(block)}")
         if self._tracer is not None:
             for block in blocks:
                 self.inc_ref(block)
@@ -259,6 +280,8 @@ class PagedKvCache:
         except IndexError:
             raise self._block_error(block) from None
         if count == 1:
+            if self._prefix_cache is not None and self._prefix_cache.is_cached(block):
+                raise self._cached_release_error(block)
             refs[block] = 0
             self._free.append(block)
             if self._tracer is not None:
@@ -274,6 +297,12 @@ class PagedKvCache:
         return False
 
     free_block = dec_ref  # the owner's release is one dec_ref; an alias keeps the hot path one call
+
+    def _cached_release_error(self, block: int) -> RefCountError:
+        return RefCountError(
+            f"release of block {block} at count 1: that reference is the prefix cache's own "
+            f"(a match or reservation released twice?){self._history_suffix(block)}"
+        )
 
     def _block_error(self, block: int) -> Exception:
         try:
@@ -300,29 +329,40 @@ class PagedKvCache:
         """Drop one reference to each block of `table`, last first, so the blocks come back
         in the order they were allocated. Every index is checked before any count changes,
         and while Python assertions are on so is every count (a block listed more often
-        than it is referenced raises RefCountError with nothing changed)."""
+        than it is referenced raises RefCountError with nothing changed); a release that
+        would take a block the prefix cache holds below its reference always raises
+        RefCountError with nothing changed."""
         blocks = list(table)
-        refs, done = self._refs, 0
-        if self._tracer is None:
-            try:  # the common case, every block at count 1, in one tight loop
+        refs, prefix = self._refs, self._prefix_cache
+        if self._tracer is None and self._all_valid(blocks) and len(set(blocks)) == len(blocks):
+            counts = _counts_of(refs, blocks)
+            if 0 not in counts:  # the fast path: distinct, valid, referenced blocks
+                if prefix is not None:
+                    last_refs = list(itertools.compress(blocks, map((1).__eq__, counts)))
+                    if any(map(prefix.is_cached, last_refs)):
+                        raise self._cached_release_error(next(filter(prefix.is_cached, last_refs)))
+                freed = self._free.append
                 for block in reversed(blocks):
-                    if type(block) is not int or block < 0 or refs[block] != 1:
-                        break
-                    refs[block] = 0
-                    done += 1
-            except IndexError:
-                pass
-        if done == len(blocks):
-            self._free.extend(reversed(blocks))
-            return
-        for block in blocks[len(blocks) - done :]:
-            refs[block] = 1  # undo the partial fast path; the general path below redoes it
+                    count = refs[block]
+                    if count == 1:
+                        refs[block] = 0
+                        freed(block)
+                    else:
+                        refs[block] = count - 1
+                        if count == 2 and prefix is not None:
+                            prefix.on_sole_reference(block)
+                return
         if not self._all_valid(blocks):
             blocks = [self._block(b) for b in blocks]  # raises naming the bad entry
-        if __debug__ and (len(set(blocks)) != len(blocks) or 0 in _counts_of(refs, blocks)):
-            for block, times in collections.Counter(blocks).items():
+        times_of = collections.Counter(blocks)
+        if __debug__ and (len(times_of) != len(blocks) or 0 in _counts_of(refs, blocks)):
+            for block, times in times_of.items():
                 if refs[block] < times:
                     self._dec_at_zero(block)  # logs and raises before any count changes
+        if prefix is not None:
+            for block, times in times_of.items():
+                if refs[block] <= times and prefix.is_cached(block):
+                    raise self._cached_release_error(block)
         for block in reversed(blocks):
             self.dec_ref(block)
 
@@ -334,8 +374,11 @@ class PagedKvCache:
 
     def return_evicted_block(self, block: int) -> None:
         """The prefix cache handing back its own reference: one decrement, pushed onto the
-        free list only on 1 -> 0; at count 0 a warning and nothing else."""
+        free list only on 1 -> 0; at count 0 a warning and nothing else. With a prefix cache
+        attached, a block it does not hold raises RefCountError, nothing changed."""
         block = self._block(block)
+        if self._prefix_cache is not None and not self._prefix_cache.is_cached(block):
+            raise RefCountError(f"return_evicted_block of block {block}, which the attached prefix cache does not hold")
         count = self._refs[block]
         if count == 0:
             _log.warning("kv_return_evicted_at_zero", block=block, history=self._history(block))
@@ -386,6 +429,8 @@ class PagedKvCache:
         for block in free:
             if self._refs[block] != 0:
                 raise RefCountError(f"free block {block} has count {self._refs[block]}")
+            if self._prefix_cache is not None and self._prefix_cache.is_cached(block):
+                raise RefCountError(f"free block {block} is still in the prefix cache")
         referenced = sum(1 for c in self._refs if c > 0)
         if any(c < 0 for c in self._refs):
             raise RefCountError("a block has a negative count")

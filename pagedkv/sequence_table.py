@@ -17,6 +17,7 @@ Every `add`/`append` is all-or-nothing: on any error every count is as it was.
 
 from __future__ import annotations
 
+import functools
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -24,9 +25,10 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend
 from .cache import PagedKvCache
 from .errors import KvCacheError
+from .guard import ThreadGuard
 from .log import get_logger
-from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked, token_list
-from .validate import non_negative_int
+from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
+from .validate import MAX_TOKEN_ID, non_negative_int, token_ids as valid_token_ids
 
 _log = get_logger("sequence_table")
 
@@ -45,10 +47,60 @@ class PageTable(NamedTuple):
 class Exported(NamedTuple):
     """An export for kernels: `host` (a numpy array, or a PageTable of arrays) and, when the
     table has a backend, `device` (a DevicePtr, or a PageTable of DevicePtrs) into a buffer
-    the table owns and overwrites on the next export of the same kind; else None."""
+    the table owns and overwrites on the next export of the same kind; else None.
+
+    `np.asarray(export)` is the host array (what `write_tokens`/`read_tokens` take as
+    slots); a page table's parts are `export.indptr`, `.indices` and `.last_page_len`, each
+    an Exported of one array."""
 
     host: object
     device: object
+
+    def __array__(self, dtype=None, copy=None):
+        if isinstance(self.host, PageTable):
+            raise TypeError(
+                "a page-table export holds three arrays: take np.asarray(export.indptr), "
+                "export.indices or export.last_page_len"
+            )
+        arr = np.asarray(self.host, dtype=dtype)
+        return arr.copy() if copy else arr
+
+    def _part(self, index: int) -> "Exported":
+        if not isinstance(self.host, PageTable):
+            raise AttributeError(f"only a page-table export has parts, this one holds {type(self.host).__name__}")
+        return Exported(self.host[index], None if self.device is None else self.device[index])
+
+    @property
+    def indptr(self) -> "Exported":
+        """A page-table export's `indptr` (host array and device pointer)."""
+        return self._part(0)
+
+    @property
+    def indices(self) -> "Exported":
+        """A page-table export's `indices` (host array and device pointer)."""
+        return self._part(1)
+
+    @property
+    def last_page_len(self) -> "Exported":
+        """A page-table export's `last_page_len` (host array and device pointer)."""
+        return self._part(2)
+
+
+def _guarded(method):
+    """Run `method` inside the table's thread guard, then deliver the prefix cache's events."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        guard = self._guard
+        guard.enter()
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            guard.exit()
+        self._deliver()
+        return result
+
+    return run
 
 
 class _Seq:
@@ -99,9 +151,17 @@ class SequenceTable:
         self._seqs: dict[Hashable, _Seq] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._buffers: dict[str, tuple[DevicePtr, int]] = {}
+        self._stale: list[DevicePtr] = []  # replaced export buffers whose free failed
+        self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
+
+    def _deliver(self) -> None:
+        prefix = self._prefix
+        if prefix is not None and prefix._events:
+            prefix.deliver_events()
 
     # -- lifecycle of a sequence -------------------------------------------------------
 
+    @_guarded
     def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
         """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
         the prefix cache (whole blocks; never the last prompt token, which the engine must
@@ -111,7 +171,7 @@ class SequenceTable:
         make room stay evicted (every count stays consistent)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        tokens = token_list(prompt_tokens)
+        tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
         n = len(tokens)
         needed = -(-n // self._bs)
         if self._window is not None and needed > self._window:
@@ -121,7 +181,7 @@ class SequenceTable:
         adapter_id = adapter_id_checked(adapter_id)
         found = PrefixMatch([], 0)
         if self._prefix is not None and n > 1:
-            found = self._prefix.reserve(tokens[: n - 1], adapter_id)
+            found = self._prefix._reserve_checked(tokens, n - 1, adapter_id)
         blocks, matched = found
         try:
             fresh = self._cache.alloc_blocks(needed - len(blocks))
@@ -135,13 +195,13 @@ class SequenceTable:
             self._prefix_cancel(found)
             raise
         if self._prefix is not None and n > 1:
-            self._prefix.confirm(n - 1, found)
+            self._prefix._confirm_checked(n - 1, found)
         self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         return matched
 
     def _prefix_cancel(self, found: PrefixMatch) -> None:
-        if self._prefix is not None:
-            self._prefix.cancel(found)
+        if self._prefix is not None and found.blocks:
+            self._prefix._cancel_checked(found)
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
@@ -151,30 +211,46 @@ class SequenceTable:
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
         cache evicted to make room stay evicted (every count stays consistent)."""
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise KeyError(f"unknown sequence {seq_id!r}")
-        if token_ids is not None:
-            token_ids = token_list(token_ids)
-            if n_tokens is None:
-                n_tokens = len(token_ids)
-            elif n_tokens != len(token_ids):
-                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
-        elif n_tokens is None:
-            n_tokens = 1
-        if type(n_tokens) is not int or n_tokens < 0:
-            n_tokens = non_negative_int(n_tokens, "n_tokens")
-        old = seq.num_tokens
-        total = old + n_tokens
-        bs = self._bs
-        have = seq.dropped + len(seq.blocks)
-        if total <= have * bs and not seq.maybe_shared:
-            seq.num_tokens = total  # the decode fast path: room in a private last block
+        guard = self._guard
+        if not guard.lock.acquire(False):
+            raise guard.busy()
+        guard.depth += 1
+        try:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise KeyError(f"unknown sequence {seq_id!r}")
+            if token_ids is not None:
+                if not (
+                    type(token_ids) is list
+                    and len(token_ids) == 1
+                    and type(token_ids[0]) is int
+                    and 0 <= token_ids[0] <= MAX_TOKEN_ID
+                ):  # a decode step's one id passes without building a copy
+                    token_ids = valid_token_ids(token_ids, "token_ids")
+                if n_tokens is None:
+                    n_tokens = len(token_ids)
+                elif n_tokens != len(token_ids):
+                    raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
+            elif n_tokens is None:
+                n_tokens = 1
+            if type(n_tokens) is not int or n_tokens < 0:
+                n_tokens = non_negative_int(n_tokens, "n_tokens")
+            old = seq.num_tokens
+            total = old + n_tokens
+            if not (total <= (seq.dropped + len(seq.blocks)) * self._bs and not seq.maybe_shared):
+                self._grow(seq, old, total, n_tokens)  # else the decode fast path: room in a private block
+            seq.num_tokens = total
             seq.step_start = old
-            self._remember(seq, n_tokens, token_ids)
-            return
-        self._grow(seq, old, total, n_tokens)
-        self._remember(seq, n_tokens, token_ids)
+            if seq.tokens_known and n_tokens:
+                if token_ids is None:
+                    seq.tokens_known = False
+                else:
+                    seq.tokens.extend(token_ids)
+        finally:
+            guard.depth -= 1
+            guard.lock.release()
+        if self._prefix is not None and self._prefix._events:
+            self._prefix.deliver_events()
 
     def _grow(self, seq: _Seq, old: int, total: int, n_tokens: int) -> None:
         bs, cache = self._bs, self._cache
@@ -209,15 +285,7 @@ class SequenceTable:
         seq.num_tokens = total
         seq.step_start = old
 
-    @staticmethod
-    def _remember(seq: _Seq, n_tokens: int, token_ids: list[int] | None) -> None:
-        if not seq.tokens_known or not n_tokens:
-            return
-        if token_ids is None:
-            seq.tokens_known = False
-        else:
-            seq.tokens.extend(token_ids)
-
+    @_guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start `dst` as a copy of `src` sharing every block (one more reference each); the
         first write of either into a shared, partly filled last block copies it first."""
@@ -231,9 +299,11 @@ class SequenceTable:
             parent.maybe_shared = child.maybe_shared = True
         self._seqs[dst] = child
 
+    @_guarded
     def free(self, seq_id: Hashable) -> None:
         """End a sequence: offer its full, fully known blocks to the prefix cache (when
-        there is one and the window dropped nothing), then drop its references tail first."""
+        there is one, it is not closed and the window dropped nothing), then drop its
+        references tail first."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
@@ -242,20 +312,25 @@ class SequenceTable:
         finally:
             self._cache.free_blocks(seq.blocks)
 
+    @_guarded
     def cache_prefix(self, seq_id: Hashable) -> int:
         """Offer a live sequence's full, fully known blocks to the prefix cache now (call it
         once their KV is written, so other requests can share them before this one ends);
-        returns how many blocks were newly cached."""
+        returns how many blocks were newly cached. KvCacheError when the prefix cache is
+        closed."""
         seq = self._get(seq_id)
+        if self._prefix is not None:
+            self._prefix._check_open("cache_prefix")
         return self._offer(seq)
 
     def _offer(self, seq: _Seq) -> int:
-        if self._prefix is None or seq.dropped:
+        prefix = self._prefix
+        if prefix is None or prefix._closed or seq.dropped:
             return 0
         full = min(len(seq.tokens), seq.num_tokens) // self._bs
         if not full:
             return 0
-        return self._prefix.insert(seq.tokens[: full * self._bs], seq.blocks[:full], seq.adapter_id)
+        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True)
 
     def _init(self, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -267,6 +342,7 @@ class SequenceTable:
         else:
             self._pending_copies.append((src, dst))
 
+    @_guarded
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write `(src, dst)` pairs a table without a backend could not perform;
         the engine must copy them (e.g. `cache.copy_blocks`) before it writes the step and
@@ -313,6 +389,7 @@ class SequenceTable:
                 refs[block] = refs.get(block, 0) + 1
         return refs
 
+    @_guarded
     def check_invariants(self) -> None:
         """Check the cache's invariants, the prefix cache's, and that every block's count
         equals the references this table and its prefix cache hold (assumes they are the
@@ -336,20 +413,37 @@ class SequenceTable:
 
     # -- exports for attention kernels -------------------------------------------------
 
+    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
+        """The live sequences of `seq_ids`, each at most once; TypeError for a str or a
+        non-iterable, ValueError naming a repeated id, KeyError naming an unknown one."""
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
+        ids = list(seq_ids)
+        seqs = [self._get(s) for s in ids]
+        if len(set(map(id, seqs))) != len(seqs):
+            seen: set[int] = set()
+            for seq_id, seq in zip(ids, seqs):
+                if id(seq) in seen:
+                    raise ValueError(f"sequence {seq_id!r} is listed more than once in seq_ids")
+                seen.add(id(seq))
+        return seqs
+
+    @_guarded
     def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
         with -1."""
-        seqs = [self._get(s) for s in seq_ids]
+        seqs = self._seq_list(seq_ids)
         width = max((len(s.blocks) for s in seqs), default=0)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.blocks)] = seq.blocks
         return Exported(table, self._upload("block_table", [table]))
 
+    @_guarded
     def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks
         (`last_page_len` is 0 for a sequence with no tokens)."""
-        seqs = [self._get(s) for s in seq_ids]
+        seqs = self._seq_list(seq_ids)
         lengths = np.fromiter((len(s.blocks) for s in seqs), dtype=np.int32, count=len(seqs))
         indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(lengths, out=indptr[1:])
@@ -364,14 +458,20 @@ class SequenceTable:
         device = self._upload("page_table", list(host))
         return Exported(host, None if device is None else PageTable(*device))
 
+    @_guarded
     def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
         """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
         `add` or `append` introduced (for `add`, those after the prefix-cache match),
-        sequence after sequence, padded with -1 (skip) to `pad_to` entries."""
+        sequence after sequence, padded with -1 (skip) to `pad_to` entries (at most the
+        cache's slot count, `num_blocks * block_size`)."""
         bs = self._bs
+        if pad_to is not None:
+            pad_to = non_negative_int(pad_to, "pad_to")
+            limit = self._cache.num_blocks() * bs
+            if pad_to > limit:
+                raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
         out: list[int] = []
-        for seq_id in seq_ids:
-            seq = self._get(seq_id)
+        for seq in self._seq_list(seq_ids):
             blocks, dropped = seq.blocks, seq.dropped
             if seq.num_tokens - seq.step_start <= 16:
                 out.extend(blocks[p // bs - dropped] * bs + p % bs for p in range(seq.step_start, seq.num_tokens))
@@ -381,9 +481,8 @@ class SequenceTable:
                 out.extend((held[positions // bs - dropped] * bs + positions % bs).tolist())
         slots = np.array(out, dtype=np.int64)
         if pad_to is not None:
-            if non_negative_int(pad_to, "pad_to") < slots.size:
+            if pad_to < slots.size:
                 raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
-            pad_to = int(pad_to)
             slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
         return Exported(slots, self._upload("slot_mapping", [slots]))
 
@@ -410,10 +509,11 @@ class SequenceTable:
             return current[0]
         size = max(nbytes, 2 * current[1] if current else 4096)
         ptr = self._gpu.alloc(size)
+        self._buffers[kind] = (ptr, size)  # recorded before the old one is freed
         if current is not None:
-            del self._buffers[kind]
-            self._gpu.free(current[0])
-        self._buffers[kind] = (ptr, size)
+            self._stale.append(current[0])
+            self._gpu.free(current[0])  # on failure it stays in _stale for `release`
+            self._stale.remove(current[0])
         return ptr
 
     # -- release -----------------------------------------------------------------------
@@ -422,17 +522,27 @@ class SequenceTable:
         """A short name for teardown messages."""
         return f"SequenceTable({len(self._seqs)} sequences)"
 
+    @_guarded
     def release(self, gpu: GpuBackend | None = None) -> None:
         """Free the export buffers on the table's backend (`gpu` if it has none); the
-        sequences and their blocks stay. A second call does nothing."""
+        sequences and their blocks stay. Every buffer is attempted and the first error
+        raised; a buffer whose free failed stays recorded, so another call retries it.
+        Once all are freed a further call does nothing."""
+        pending = [ptr for ptr, _ in self._buffers.values()] + self._stale
+        if not pending:
+            return
         backend = self._gpu or gpu
-        buffers, self._buffers = self._buffers, {}
+        if backend is None:
+            raise ValueError(f"release needs the backend that holds the table's {len(pending)} export buffer(s)")
+        self._buffers = {}
+        self._stale = []
         first: BaseException | None = None
-        for ptr, _ in buffers.values():
+        for ptr in pending:
             try:
                 backend.free(ptr)
             except Exception as err:  # noqa: BLE001 - every buffer must be attempted
                 first = first or err
+                self._stale.append(ptr)
                 _log.error("sequence_table_buffer_free_failed", error=str(err))
         if first is not None:
             raise first

@@ -219,13 +219,13 @@ def test_insert_keeps_existing_blocks_and_rejects_bad_blocks(gpu):
         prefix.insert([2] * 8, [other[0], other[0]])
     free_block = cache.alloc_block()
     cache.free_block(free_block)
-    with pytest.raises(RefCountError, match=f"insert of free block {free_block}"):
+    with pytest.raises(RefCountError, match=f"insert of a free block.*inc_ref of free block {free_block}"):
         prefix.insert([2] * 4, [free_block])
     with pytest.raises(ValueError, match="9 tokens fill 2 block"):
         prefix.insert([2] * 9, [other[0]])
-    with pytest.raises(ValueError, match="token 1 is -5"):
+    with pytest.raises(ValueError, match=r"tokens\[1\] is -5"):
         prefix.insert([2, -5, 2, 2], [other[0]])
-    with pytest.raises(TypeError, match="token 0 must be an int, got 1.5"):
+    with pytest.raises(TypeError, match=r"tokens\[0\] must be an int token id, got 1.5"):
         prefix.insert([1.5, 2, 2, 2], [other[0]])
     with pytest.raises(ValueError, match="adapter_id must be a non-negative int, got -1"):
         prefix.match([1] * 4, adapter_id=-1)
@@ -287,7 +287,7 @@ def test_match_refuses_tokens_that_are_not_ints(gpu):
     blocks = held_by_caller(cache, tokens, prefix)
     before = counts(cache)
     for bad, shown in (([float(t) for t in tokens], "0.0"), ([True] + tokens[1:], "True")):
-        with pytest.raises(TypeError, match=f"token 0 must be an int, got {shown}"):
+        with pytest.raises(TypeError, match=rf"tokens\[0\] must be an int token id, got {shown}"):
             prefix.match(bad)
     assert counts(cache) == before
     assert prefix.match(np.array(tokens, dtype=np.int32)).blocks == blocks
