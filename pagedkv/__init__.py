@@ -19,6 +19,7 @@ from .errors import (
 )
 from .host_backend import HostBackend
 from .teardown import ModelResource, Teardown
+from .guard import ConcurrentUseError
 from .prefix_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,6 +33,7 @@ from .sequence_table import Exported, PageTable, SequenceTable
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConcurrentUseError",
     "NULL",
     "POISON_BYTE",
     "GROUP_SIZE",
