@@ -126,7 +126,11 @@ class SequenceTable:
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
-    `take_pending_copies()` itself."""
+    `take_pending_copies()` itself.
+
+    One thread at a time: the table shares its prefix cache's guard (or has its own), and a
+    call entering while another thread is inside raises ConcurrentUseError, changing
+    nothing. Prefix-cache events caused by a call are delivered when the call is done."""
 
     def __init__(
         self,
