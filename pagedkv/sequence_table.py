@@ -33,6 +33,7 @@ from .validate import MAX_TOKEN_ID, non_negative_int, token_ids as valid_token_i
 _log = get_logger("sequence_table")
 
 _ALIGN = 16  # bytes between arrays packed into one upload
+_MAX_TOKEN_ID = MAX_TOKEN_ID
 
 
 class PageTable(NamedTuple):
@@ -104,7 +105,9 @@ def _guarded(method):
 
 
 class _Seq:
-    __slots__ = ("blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared")
+    __slots__ = (
+        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room"
+    )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.blocks = blocks  # held blocks, oldest first
@@ -115,6 +118,11 @@ class _Seq:
         self.adapter_id = adapter_id
         self.step_start = step_start  # first position written by the latest add/append
         self.maybe_shared = False  # set by fork: the partly filled last block may be shared
+        self.room = -1  # tokens `append` may reach without growing; -1 sends it to _grow
+
+    def settle(self, block_size: int) -> None:
+        """Recompute `room` after the blocks or `maybe_shared` changed."""
+        self.room = -1 if self.maybe_shared else (self.dropped + len(self.blocks)) * block_size
 
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
@@ -157,6 +165,7 @@ class SequenceTable:
         self._buffers: dict[str, tuple[DevicePtr, int]] = {}
         self._stale: list[DevicePtr] = []  # replaced export buffers whose free failed
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
+        self._lock = self._guard.lock
 
     def _deliver(self) -> None:
         prefix = self._prefix
@@ -200,7 +209,8 @@ class SequenceTable:
             raise
         if self._prefix is not None and n > 1:
             self._prefix._confirm_checked(n - 1, found)
-        self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+        seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+        seq.settle(self._bs)
         return matched
 
     def _prefix_cancel(self, found: PrefixMatch) -> None:
@@ -215,46 +225,52 @@ class SequenceTable:
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
         cache evicted to make room stay evicted (every count stays consistent)."""
-        guard = self._guard
-        if not guard.lock.acquire(False):
-            raise guard.busy()
-        guard.depth += 1
+        lock = self._lock
+        if not lock.acquire(False):
+            raise self._guard.busy()
+        grown = False
         try:
             seq = self._seqs.get(seq_id)
             if seq is None:
                 raise KeyError(f"unknown sequence {seq_id!r}")
-            if token_ids is not None:
-                if not (
-                    type(token_ids) is list
-                    and len(token_ids) == 1
-                    and type(token_ids[0]) is int
-                    and 0 <= token_ids[0] <= MAX_TOKEN_ID
-                ):  # a decode step's one id passes without building a copy
-                    token_ids = valid_token_ids(token_ids, "token_ids")
+            if token_ids is None:
+                if n_tokens is None:
+                    n_tokens = 1
+            elif type(token_ids) is list and len(token_ids) == 1 and type(token_ids[0]) is int and (
+                0 <= token_ids[0] <= _MAX_TOKEN_ID
+            ):  # a decode step's one id passes without building a copy
+                if n_tokens is None:
+                    n_tokens = 1
+            else:
+                token_ids = valid_token_ids(token_ids, "token_ids")
                 if n_tokens is None:
                     n_tokens = len(token_ids)
-                elif n_tokens != len(token_ids):
-                    raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
-            elif n_tokens is None:
-                n_tokens = 1
+            if token_ids is not None and n_tokens != len(token_ids):
+                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
             if type(n_tokens) is not int or n_tokens < 0:
                 n_tokens = non_negative_int(n_tokens, "n_tokens")
             old = seq.num_tokens
             total = old + n_tokens
-            if not (total <= (seq.dropped + len(seq.blocks)) * self._bs and not seq.maybe_shared):
-                self._grow(seq, old, total, n_tokens)  # else the decode fast path: room in a private block
+            if total > seq.room:
+                guard = self._guard
+                guard.depth += 1  # eviction events wait for the end of this call
+                try:
+                    self._grow(seq, old, total, n_tokens)
+                finally:
+                    guard.depth -= 1
+                grown = True
+            # else the decode fast path: room in a private last block
             seq.num_tokens = total
             seq.step_start = old
             if seq.tokens_known and n_tokens:
                 if token_ids is None:
                     seq.tokens_known = False
                 else:
-                    seq.tokens.extend(token_ids)
+                    seq.tokens += token_ids
         finally:
-            guard.depth -= 1
-            guard.lock.release()
-        if self._prefix is not None and self._prefix._events:
-            self._prefix.deliver_events()
+            lock.release()
+        if grown:
+            self._deliver()
 
     def _grow(self, seq: _Seq, old: int, total: int, n_tokens: int) -> None:
         bs, cache = self._bs, self._cache
@@ -288,6 +304,7 @@ class SequenceTable:
             cache.free_blocks(released)
         seq.num_tokens = total
         seq.step_start = old
+        seq.settle(bs)
 
     @_guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
@@ -301,6 +318,8 @@ class SequenceTable:
             self._cache.inc_ref(block)
         if parent.num_tokens % self._bs:
             parent.maybe_shared = child.maybe_shared = True
+        parent.settle(self._bs)
+        child.settle(self._bs)
         self._seqs[dst] = child
 
     @_guarded
