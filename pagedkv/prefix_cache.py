@@ -189,7 +189,7 @@ class PrefixCache:
         is inside a call of this cache or a table on it (that call delivers when done), or
         while a delivery is already running (it goes on to the new events)."""
         events = self._events
-        if not events or self._delivering or self._guard.depth:
+        if not events or self._delivering or self._guard.inside():
             return
         guard = self._guard
         guard.enter()

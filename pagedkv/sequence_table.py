@@ -18,6 +18,7 @@ Every `add`/`append` is all-or-nothing: on any error every count is as it was.
 from __future__ import annotations
 
 import functools
+from threading import get_ident
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -85,6 +86,22 @@ class Exported(NamedTuple):
     def last_page_len(self) -> "Exported":
         """A page-table export's `last_page_len` (host array and device pointer)."""
         return self._part(2)
+
+
+def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int] | None]:
+    """`append`'s (n_tokens, token_ids), checked: ids under the one token-id rule, n_tokens
+    defaulting to their count (else 1) and agreeing with it."""
+    if token_ids is not None:
+        token_ids = valid_token_ids(token_ids, "token_ids")
+        if n_tokens is None:
+            n_tokens = len(token_ids)
+        elif n_tokens != len(token_ids):
+            raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
+    elif n_tokens is None:
+        n_tokens = 1
+    if type(n_tokens) is not int or n_tokens < 0:  # type: ignore[operator]
+        n_tokens = non_negative_int(n_tokens, "n_tokens")
+    return n_tokens, token_ids  # type: ignore[return-value]
 
 
 def _guarded(method):
@@ -165,7 +182,6 @@ class SequenceTable:
         self._buffers: dict[str, tuple[DevicePtr, int]] = {}
         self._stale: list[DevicePtr] = []  # replaced export buffers whose free failed
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
-        self._lock = self._guard.lock
 
     def _deliver(self) -> None:
         prefix = self._prefix
@@ -225,39 +241,41 @@ class SequenceTable:
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
         cache evicted to make room stay evicted (every count stays consistent)."""
-        lock = self._lock
-        if not lock.acquire(False):
-            raise self._guard.busy()
+        guard = self._guard
+        token = guard.token
+        try:
+            token.pop()  # the guard, claimed inline: this is the per-token hot path
+            took = True
+        except IndexError:
+            guard.enter()  # raises ConcurrentUseError unless this thread is already inside
+            took = False
         grown = False
         try:
             seq = self._seqs.get(seq_id)
             if seq is None:
                 raise KeyError(f"unknown sequence {seq_id!r}")
-            if token_ids is None:
-                if n_tokens is None:
-                    n_tokens = 1
-            elif type(token_ids) is list and len(token_ids) == 1 and type(token_ids[0]) is int and (
-                0 <= token_ids[0] <= _MAX_TOKEN_ID
+            if (
+                type(token_ids) is list
+                and len(token_ids) == 1
+                and type(token_ids[0]) is int
+                and 0 <= token_ids[0] <= _MAX_TOKEN_ID
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
             ):  # a decode step's one id passes without building a copy
-                if n_tokens is None:
-                    n_tokens = 1
+                n_tokens = 1
             else:
-                token_ids = valid_token_ids(token_ids, "token_ids")
-                if n_tokens is None:
-                    n_tokens = len(token_ids)
-            if token_ids is not None and n_tokens != len(token_ids):
-                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
-            if type(n_tokens) is not int or n_tokens < 0:
-                n_tokens = non_negative_int(n_tokens, "n_tokens")
+                n_tokens, token_ids = _step_arguments(n_tokens, token_ids)
             old = seq.num_tokens
             total = old + n_tokens
             if total > seq.room:
-                guard = self._guard
-                guard.depth += 1  # eviction events wait for the end of this call
+                if took:
+                    guard.owner = get_ident()  # a full claim: the allocation may call back in
+                guard.depth += 1
                 try:
                     self._grow(seq, old, total, n_tokens)
                 finally:
                     guard.depth -= 1
+                    if took:
+                        guard.owner = None
                 grown = True
             # else the decode fast path: room in a private last block
             seq.num_tokens = total
@@ -268,7 +286,10 @@ class SequenceTable:
                 else:
                     seq.tokens += token_ids
         finally:
-            lock.release()
+            if took:
+                token.append(True)
+            else:
+                guard.exit()
         if grown:
             self._deliver()
 
