@@ -252,10 +252,20 @@ class PrefixCache:
 
     def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int) -> PrefixMatch:
         """`reserve` of `tokens[:n]`, already validated (the guard held by the caller)."""
-        blocks = [node.block for node in self._walk(tokens, n, adapter_id)]
+        path = self._walk(tokens, n, adapter_id)
+        blocks = [node.block for node in path]
         self._cache.inc_refs(blocks)
         found = _Reservation(blocks, len(blocks) * self._block_size)
-        found.open = True
+        found.open, found.path = True, path
+        return found
+
+    def _reserve_bytes(self, data: bytes, adapter_id: int) -> PrefixMatch:
+        """`reserve` of tokens given as valid int64 bytes (the guard held by the caller)."""
+        path = self._walk_bytes(data, adapter_id)
+        blocks = [node.block for node in path]
+        self._cache.inc_refs(blocks)
+        found = _Reservation(blocks, len(blocks) * self._block_size)
+        found.open, found.path = True, path
         return found
 
     def _walk(self, tokens: list[int], n: int, adapter_id: int) -> list[_Node]:
@@ -298,12 +308,10 @@ class PrefixCache:
         finally:
             guard.exit()
 
-    def _confirm_checked(self, queried_tokens: int, found: PrefixMatch) -> None:
+    def _confirm_checked(self, queried_tokens: int, found: _Reservation) -> None:
         clock = self._clock
-        by_block = self._by_block
-        for block in found.blocks:
-            node = by_block.get(block)
-            if node is not None:
+        for node in found.path:
+            if node.block is not None:  # a clear() since reserve dropped it
                 clock += 1
                 node.last_used = clock
         self._clock = clock
@@ -371,15 +379,18 @@ class PrefixCache:
         root = self._roots.get(adapter_id)
         node, first_new = root, 0
         path: list[_Node] = []
-        data: bytes | None = None
+        data: bytes | None = None  # tokens from block `base` on, as int64 bytes, made when first needed
+        base = 0
         if node is not None:
             index = self._by_block
             while first_new < n_full:
                 child = index.get(blocks[first_new]) if by_block else None
                 if child is None or child.parent is not node:
                     if data is None:
-                        data = _int64_bytes(tokens[: n_full * bs])
-                    child = node.children.get(data[first_new * step : (first_new + 1) * step])
+                        base = first_new
+                        data = _int64_bytes(tokens[base * bs : n_full * bs])
+                    at = (first_new - base) * step
+                    child = node.children.get(data[at : at + step])
                     if child is None:
                         break
                 path.append(child)
@@ -403,11 +414,12 @@ class PrefixCache:
             return 0
         parent = node
         if data is None:
-            data = _int64_bytes(tokens[: n_full * bs])  # one array for the whole run, not one per block
+            base = first_new
+            data = _int64_bytes(tokens[base * bs : n_full * bs])  # one array for the run, not one per block
         clock, digest, from_bytes = self._clock, parent.hash.to_bytes(8, "little"), int.from_bytes
         copy_start = _HASH_START.copy
         hashes = []
-        for offset, block in enumerate(new_blocks, first_new):
+        for offset, block in enumerate(new_blocks, first_new - base):
             chunk = data[offset * step : (offset + 1) * step]
             state = copy_start()
             state.update(digest + chunk)

@@ -29,7 +29,7 @@ from .errors import KvCacheError
 from .guard import ThreadGuard
 from .log import get_logger
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
-from .validate import MAX_TOKEN_ID, non_negative_int, token_ids as valid_token_ids
+from .validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
 
 _log = get_logger("sequence_table")
 
@@ -200,7 +200,12 @@ class SequenceTable:
         make room stay evicted (every count stays consistent)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
+        data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
+        if data is None:  # not a list of plain ints in range: convert, or raise naming the entry
+            tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
+            data = int64_bytes_of_ids(tokens)
+        else:
+            tokens = list(prompt_tokens)
         n = len(tokens)
         needed = -(-n // self._bs)
         if self._window is not None and needed > self._window:
@@ -210,7 +215,7 @@ class SequenceTable:
         adapter_id = adapter_id_checked(adapter_id)
         found = PrefixMatch([], 0)
         if self._prefix is not None and n > 1:
-            found = self._prefix._reserve_checked(tokens, n - 1, adapter_id)
+            found = self._prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
         blocks, matched = found
         try:
             fresh = self._cache.alloc_blocks(needed - len(blocks))
@@ -296,6 +301,17 @@ class SequenceTable:
     def _grow(self, seq: _Seq, old: int, total: int, n_tokens: int) -> None:
         bs, cache = self._bs, self._cache
         have = seq.dropped + len(seq.blocks)
+        if total == have * bs + 1 and not seq.maybe_shared and self._window is None:
+            block = cache.alloc_block()  # a decode step crossing into a fresh block
+            try:
+                self._init([block])
+            except BaseException:
+                cache.free_block(block)
+                raise
+            seq.blocks.append(block)
+            seq.num_tokens, seq.step_start = total, old
+            seq.room = (have + 1) * bs
+            return
         needed = -(-total // bs)
         if self._window is not None and n_tokens and needed - old // bs > self._window:
             raise ValueError(

@@ -512,3 +512,21 @@ def test_append_uses_the_one_token_id_rule(gpu):
     table.append("a", token_ids=[np.int64(4)])
     table.append("a", token_ids=[2**63 - 1])
     assert table.num_tokens("a") == 5
+
+
+def test_serving_bench_section_runs_both_ways(capsys):
+    """tools/bench_serving.py at its quick size: both ways do the same work (same evictions,
+    invariants checked inside) and every line prints; no timing is asserted."""
+    import argparse
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
+    try:
+        import bench_serving
+    finally:
+        sys.path.pop(0)
+    bench_serving.run(argparse.Namespace(quick=True))
+    out = capsys.readouterr().out
+    assert "serving mix, 256 seqs x 32 steps: SequenceTable" in out
+    assert "prefix-cache evictions each way" in out
+    assert "match + free_blocks, cached 4096-token prompt:" in out and "first-time insert" in out
