@@ -20,6 +20,7 @@ from .errors import (
     RefCountError,
     TeardownError,
 )
+from .guard import ConcurrentUseError
 from .host_backend import HostBackend
 from .kv_rows import SKIP_SLOT
 from .pools import KvPools
@@ -48,6 +49,7 @@ __all__ = [
     "BlockRegions",
     "BlockRemoved",
     "BlockStored",
+    "ConcurrentUseError",
     "DeviceMemoryError",
     "DeviceOutOfMemory",
     "DevicePtr",

@@ -2,8 +2,8 @@
 earlier one reuses that prompt's blocks instead of recomputing them.
 
 A radix tree of whole blocks, one root per adapter (adapters never share). Each node holds
-one block and its `block_size` tokens; children are keyed by their exact token tuples, so a
-hash collision can never hand one prompt another prompt's KV. Each node also carries a
+one block and its `block_size` tokens; children are keyed by their exact tokens (int64 little-endian
+bytes, also the hash input), so a hash collision can never hand one prompt another prompt's KV. Each node also carries a
 chained 64-bit content hash (blake2b of the parent's hash and the tokens: the same on every
 machine and process) that events report, for routers that track other engines' caches.
 
@@ -22,22 +22,20 @@ last other holder released it.
 from __future__ import annotations
 
 import array
+import collections
 import hashlib
 import heapq
 import sys
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence, Union
 
-import numpy as np
-
 from .cache import PagedKvCache
 from .errors import KvCacheError, RefCountError
+from .guard import ThreadGuard
 from .log import get_logger
-from .validate import non_negative_int
+from .validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
 
 _log = get_logger("prefix_cache")
-
-_MAX_TOKEN = 2**63 - 1
 
 
 def root_hash(adapter_id: int) -> int:
@@ -46,15 +44,27 @@ def root_hash(adapter_id: int) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+_HASH_START = hashlib.blake2b(digest_size=8)  # copied per block: cheaper than a constructor
+
+
 def chain_hash(parent_hash: int, tokens: Sequence[int]) -> int:
     """blake2b-64 of the parent's hash (8 bytes, little-endian) then the tokens (int64
     little-endian): stable across processes and machines."""
-    payload = parent_hash.to_bytes(8, "little") + _int64_bytes(tokens)
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+    return int.from_bytes(_chain_digest(parent_hash.to_bytes(8, "little"), _int64_bytes(tokens)), "little")
+
+
+def _chain_digest(parent_digest: bytes, token_bytes: bytes) -> bytes:
+    """The 8-byte digest `chain_hash` reads, from the parent's 8 bytes and the tokens' int64 bytes."""
+    state = _HASH_START.copy()
+    state.update(parent_digest + token_bytes)
+    return state.digest()
 
 
 def _int64_bytes(tokens: Sequence[int]) -> bytes:
-    data = array.array("q", tokens)
+    try:
+        data = array.array("Q", tokens)  # the same bytes for ids >= 0, and much faster to build than "q"
+    except OverflowError:
+        data = array.array("q", tokens)
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
         data.byteswap()
     return data.tobytes()
@@ -115,22 +125,38 @@ class PrefixCacheStats:
 
 
 class _Node:
-    __slots__ = ("tokens", "block", "hash", "parent", "children", "last_used", "adapter_id")
+    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id")
 
-    def __init__(self, tokens: tuple, block: int, hash_: int, parent: "_Node | None", adapter_id: int):
-        self.tokens = tokens
+    def __init__(self, key: bytes, block: int, hash_: int, parent: "_Node | None", adapter_id: int):
+        self.key = key  # the block's tokens as int64 little-endian bytes (exact, not a hash)
         self.block = block  # -1 for a root; None once evicted
         self.hash = hash_
         self.parent = parent
-        self.children: dict[tuple, _Node] = {}
+        self.children: dict[bytes, _Node] = {}
         self.last_used = 0
         self.adapter_id = adapter_id
+
+
+class _Reservation(PrefixMatch):
+    """A PrefixMatch from `reserve`, remembering whether it is still open (neither
+    confirmed nor cancelled), so that it is released only once."""
 
 
 class PrefixCache:
     """A prefix cache attached to one PagedKvCache (one per KV cache). It holds one
     reference of its own on every cached block, so a cached block never reaches the free
-    list while cached; `PagedKvCache.alloc_blocks` asks it to evict when short."""
+    list while cached; `PagedKvCache.alloc_blocks` asks it to evict when short.
+
+    Events go to `on_event` only once the operation that caused them is complete: at the
+    end of the public method, or for evictions made by `PagedKvCache.alloc_block(s)` when
+    the allocation is done (inside a SequenceTable call, at the end of that call). A
+    consumer may call back into the cache. If it raises, the exception propagates out of
+    the call that delivered the event, that call's work stays done (an allocation hands
+    its blocks back), the raising event is consumed and later events stay queued for the
+    next delivery (the next public call, or `deliver_events()`).
+
+    One thread at a time: every public method (and the table's) checks a shared guard and
+    raises `ConcurrentUseError`, changing nothing, when another thread is inside."""
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None):
         if not isinstance(cache, PagedKvCache):
@@ -140,6 +166,10 @@ class PrefixCache:
         self._cache = cache
         self._block_size = cache.block_size()
         self._on_event = on_event
+        self._events: collections.deque = collections.deque()
+        self._delivering = False
+        self._guard = ThreadGuard("this PrefixCache")
+        self._closed = False
         self._roots: dict[int, _Node] = {}
         self._by_block: dict[int, _Node] = {}
         self._heap: list[tuple[int, int, _Node]] = []
@@ -149,56 +179,163 @@ class PrefixCache:
         self._refresh_on_release = True
         cache.attach_prefix_cache(self)
 
+    # -- guard and events --------------------------------------------------------------
+
+    def _emit(self, event: PrefixCacheEvent) -> None:
+        self._events.append(event)
+
+    def deliver_events(self) -> None:
+        """Hand queued events to `on_event`, oldest first. Does nothing while this thread
+        is inside a call of this cache or a table on it (that call delivers when done), or
+        while a delivery is already running (it goes on to the new events)."""
+        events = self._events
+        if not events or self._delivering or self._guard.inside():
+            return
+        guard = self._guard
+        guard.enter()
+        self._delivering = True
+        guard.exit()
+        try:
+            while events:
+                self._on_event(events.popleft())  # type: ignore[misc]
+        finally:
+            self._delivering = False
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise KvCacheError(f"{what} on a closed PrefixCache: it caches nothing any more")
+
+    def closed(self) -> bool:
+        """True once `close()` ran (or the KV cache was released): the cache then holds,
+        matches and takes nothing."""
+        return self._closed
+
     # -- lookup and registration -------------------------------------------------------
 
     def match(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
         """The longest cached run of whole blocks at the start of `tokens`; takes one
-        reference for the caller on each returned block (free it like your own) and
-        refreshes their recency."""
-        found = self.reserve(tokens, adapter_id)
-        self.confirm(len(tokens), found)
-        return found
+        reference for the caller on each returned block (free it like your own, once) and
+        refreshes their recency. On a closed cache, an empty match."""
+        guard = self._guard
+        guard.enter()
+        try:
+            data = int64_bytes_of_ids(tokens) if type(tokens) is list else None
+            if data is None:
+                tokens = token_ids(tokens, "tokens")  # converts, or raises naming the bad entry
+                data = _int64_bytes(tokens)
+            adapter_id = adapter_id_checked(adapter_id)
+            path = self._walk_bytes(data, adapter_id)
+            blocks = [n.block for n in path]
+            self._cache.inc_refs(blocks)
+            clock = self._clock
+            for node in path:
+                clock += 1
+                node.last_used = clock
+            self._clock = clock
+            self._count_query(len(tokens), len(blocks) * self._block_size)
+            return PrefixMatch(blocks, len(blocks) * self._block_size)
+        finally:
+            guard.exit()
 
     def reserve(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
         """`match` in two steps, for a request that may still be refused: the longest cached
         run, with one reference taken for the caller on each block but no statistics or
         recency recorded. Follow it with `confirm` once the request is admitted, or
-        `cancel` to hand the references back as if the lookup never happened."""
-        adapter_id = adapter_id_checked(adapter_id)
-        if isinstance(tokens, np.ndarray) or set(map(type, tokens)) - {int}:
-            tokens = token_list(tokens)  # validates (a float or bool never matches an int key)
-        bs = self._block_size
+        `cancel` to hand the references back as if the lookup never happened; either once."""
+        guard = self._guard
+        guard.enter()
+        try:
+            tokens = token_ids(tokens, "tokens")
+            return self._reserve_checked(tokens, len(tokens), adapter_id_checked(adapter_id))
+        finally:
+            guard.exit()
+
+    def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int) -> PrefixMatch:
+        """`reserve` of `tokens[:n]`, already validated (the guard held by the caller)."""
+        path = self._walk(tokens, n, adapter_id)
+        blocks = [node.block for node in path]
+        self._cache.inc_refs(blocks)
+        found = _Reservation(blocks, len(blocks) * self._block_size)
+        found.open, found.path = True, path
+        return found
+
+    def _reserve_bytes(self, data: bytes, adapter_id: int) -> PrefixMatch:
+        """`reserve` of tokens given as valid int64 bytes (the guard held by the caller)."""
+        path = self._walk_bytes(data, adapter_id)
+        blocks = [node.block for node in path]
+        self._cache.inc_refs(blocks)
+        found = _Reservation(blocks, len(blocks) * self._block_size)
+        found.open, found.path = True, path
+        return found
+
+    def _walk(self, tokens: list[int], n: int, adapter_id: int) -> list[_Node]:
+        if n < self._block_size or adapter_id not in self._roots:
+            return []
+        return self._walk_bytes(_int64_bytes(tokens[: n - n % self._block_size]), adapter_id)
+
+    def _walk_bytes(self, data: bytes, adapter_id: int) -> list[_Node]:
+        """The cached nodes along the whole blocks of `data` (int64 token bytes)."""
+        step = 8 * self._block_size
         node = self._roots.get(adapter_id)
         path: list[_Node] = []
         if node is not None:
-            for start in range(0, len(tokens) - bs + 1, bs):
-                child = node.children.get(tuple(tokens[start : start + bs]))
-                if child is None:
+            for start in range(0, len(data) - step + 1, step):
+                node = node.children.get(data[start : start + step])  # each chunk's key is a slice
+                if node is None:
                     break
-                path.append(child)
-                node = child
-        blocks = [n.block for n in path]
-        self._cache.inc_refs(blocks)
-        return PrefixMatch(blocks, len(blocks) * bs)
+                path.append(node)
+        return path
+
+    def _claim(self, found: PrefixMatch, verb: str) -> None:
+        if not isinstance(found, _Reservation):
+            raise TypeError(f"{verb} takes the result of reserve(), got {type(found).__name__}")
+        if not found.open:
+            raise RefCountError(
+                f"{verb} of a reservation already confirmed or cancelled (blocks {found.blocks}): "
+                "a reservation is released once"
+            )
+        found.open = False
 
     def confirm(self, queried_tokens: int, found: PrefixMatch) -> None:
         """Record a reserved match of a `queried_tokens`-token query as used: statistics,
-        and the recency of its blocks."""
+        and the recency of its blocks. The caller then holds the references like its own."""
+        guard = self._guard
+        guard.enter()
+        try:
+            queried_tokens = non_negative_int(queried_tokens, "queried_tokens")
+            self._claim(found, "confirm")
+            self._confirm_checked(queried_tokens, found)
+        finally:
+            guard.exit()
+
+    def _confirm_checked(self, queried_tokens: int, found: _Reservation) -> None:
         clock = self._clock
-        by_block = self._by_block
-        for block in found.blocks:
-            node = by_block.get(block)
-            if node is not None:
+        for node in found.path:
+            if node.block is not None:  # a clear() since reserve dropped it
                 clock += 1
                 node.last_used = clock
         self._clock = clock
+        self._count_query(queried_tokens, found.num_tokens)
+
+    def _count_query(self, queried_tokens: int, hit_tokens: int) -> None:
         self._queries += 1
         self._queried_tokens += queried_tokens
-        self._hit_tokens += found.num_tokens
+        self._hit_tokens += hit_tokens
 
     def cancel(self, found: PrefixMatch) -> None:
         """Hand back the references a reserved match took, without counting it as a use:
-        statistics and recency stay as they were before `reserve`."""
+        statistics and recency stay as they were before `reserve`. A second cancel (or a
+        cancel after `confirm`) raises RefCountError and changes nothing."""
+        guard = self._guard
+        guard.enter()
+        try:
+            self._claim(found, "cancel")
+            self._cancel_checked(found)
+        finally:
+            guard.exit()
+        self.deliver_events()
+
+    def _cancel_checked(self, found: PrefixMatch) -> None:
         self._refresh_on_release = False
         try:
             self._cache.free_blocks(found.blocks)
@@ -209,47 +346,90 @@ class PrefixCache:
         """Register the caller's full blocks of `tokens` (`blocks[i]` holds tokens
         `i*block_size ..`; a final partial block is not cached). Chunks already cached keep
         their block; new ones take one reference of the cache's own on the caller's block.
-        Returns how many blocks were newly cached. Checked before anything changes."""
-        adapter_id = adapter_id_checked(adapter_id)
-        tokens = token_list(tokens)
-        blocks = [self._cache._block(b) for b in blocks]
-        bs = self._block_size
-        n_full = len(tokens) // bs
-        if not n_full <= len(blocks) <= -(-len(tokens) // bs):
-            raise ValueError(
-                f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given"
-            )
+        Returns how many blocks were newly cached. Checked before anything changes;
+        KvCacheError on a closed cache."""
+        guard = self._guard
+        guard.enter()
+        try:
+            self._check_open("insert")
+            adapter_id = adapter_id_checked(adapter_id)
+            tokens = token_ids(tokens, "tokens")
+            blocks = block_list(blocks, self._cache.num_blocks(), "blocks")  # names a bad entry
+            bs = self._block_size
+            n_full = len(tokens) // bs
+            if not n_full <= len(blocks) <= -(-len(tokens) // bs):
+                raise ValueError(
+                    f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given"
+                )
+            added = self._insert_checked(tokens, blocks, n_full, adapter_id, False)
+        finally:
+            guard.exit()
+        self.deliver_events()
+        return added
+
+    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool) -> int:
+        """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
+        With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
+        already cached under the current node is followed without comparing its tokens."""
+        bs, step = self._block_size, 8 * self._block_size
         root = self._roots.get(adapter_id)
         node, first_new = root, 0
+        path: list[_Node] = []
+        data: bytes | None = None  # tokens from block `base` on, as int64 bytes, made when first needed
+        base = 0
         if node is not None:
+            index = self._by_block
             while first_new < n_full:
-                child = node.children.get(tuple(tokens[first_new * bs : (first_new + 1) * bs]))
-                if child is None:
-                    break
+                child = index.get(blocks[first_new]) if by_block else None
+                if child is None or child.parent is not node:
+                    if data is None:
+                        base = first_new
+                        data = _int64_bytes(tokens[base * bs : n_full * bs])
+                    at = (first_new - base) * step
+                    child = node.children.get(data[at : at + step])
+                    if child is None:
+                        break
+                path.append(child)
                 node, first_new = child, first_new + 1
         new_blocks = blocks[first_new:n_full]
-        self._check_new_blocks(new_blocks)
+        if len(set(new_blocks)) != len(new_blocks):
+            raise ValueError(f"insert given a block twice: {new_blocks}")
+        index = self._by_block
+        if not index.keys().isdisjoint(new_blocks):
+            block = next(b for b in new_blocks if b in index)
+            raise ValueError(f"block {block} is already cached for other tokens")
+        try:
+            self._cache.inc_refs(new_blocks)  # checks every block is held before any count changes
+        except RefCountError as err:
+            raise RefCountError(f"insert of a free block: the caller must hold every block it inserts ({err})") from None
         if root is None:
-            root = self._roots[adapter_id] = _Node((), -1, root_hash(adapter_id), None, adapter_id)
-            node = root
-        path_node = root
-        for i in range(first_new):
-            path_node = path_node.children[tuple(tokens[i * bs : (i + 1) * bs])]
+            root = node = self._roots[adapter_id] = _Node(b"", -1, root_hash(adapter_id), None, adapter_id)
+        for path_node in path:
             self._touch(path_node)
+        if not new_blocks:
+            return 0
         parent = node
+        if data is None:
+            base = first_new
+            data = _int64_bytes(tokens[base * bs : n_full * bs])  # one array for the run, not one per block
+        clock, digest, from_bytes = self._clock, parent.hash.to_bytes(8, "little"), int.from_bytes
+        copy_start = _HASH_START.copy
         hashes = []
-        for offset, block in enumerate(new_blocks):
-            chunk = tuple(tokens[(first_new + offset) * bs : (first_new + offset + 1) * bs])
-            child = _Node(chunk, block, chain_hash(parent.hash, chunk), parent, adapter_id)
-            self._cache.inc_ref(block)
+        for offset, block in enumerate(new_blocks, first_new - base):
+            chunk = data[offset * step : (offset + 1) * step]
+            state = copy_start()
+            state.update(digest + chunk)
+            digest = state.digest()
+            child = _Node(chunk, block, from_bytes(digest, "little"), parent, adapter_id)
             parent.children[chunk] = child
-            self._by_block[block] = child
-            self._clock += 1
-            child.last_used = self._clock
+            index[block] = child
+            clock += 1
+            child.last_used = clock
             hashes.append(child.hash)
             parent = child
-        if new_blocks and self._on_event is not None:
-            self._on_event(
+        self._clock = clock
+        if self._on_event is not None:
+            self._emit(
                 BlockStored(
                     block_hashes=tuple(hashes),
                     parent_block_hash=None if node is root else node.hash,
@@ -260,15 +440,6 @@ class PrefixCache:
                 )
             )
         return len(new_blocks)
-
-    def _check_new_blocks(self, blocks: list[int]) -> None:
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"insert given a block twice: {blocks}")
-        for block in blocks:
-            if block in self._by_block:
-                raise ValueError(f"block {block} is already cached for other tokens")
-            if self._cache.ref_count(block) == 0:
-                raise RefCountError(f"insert of free block {block}: the caller must hold it")
 
     def _touch(self, node: _Node) -> None:
         self._clock += 1
@@ -293,7 +464,7 @@ class PrefixCache:
         if len(heap) > 2 * len(self._by_block) + 64:
             self._rebuild_heap()
         self._serial += 1
-        heapq.heappush(heap, (node.last_used, self._serial, node))
+        heapq.heappush(self._heap, (node.last_used, self._serial, node))
 
     def _rebuild_heap(self) -> None:
         """Drop stale entries: keep one per currently evictable leaf."""
@@ -341,46 +512,65 @@ class PrefixCache:
     def _evict_chosen(self, chosen: list[tuple[int, _Node]]) -> list[int]:
         blocks, hashes = [], []
         for _, node in chosen:
-            self._cache.return_evicted_block(node.block)  # while still held, as the cache requires
-        for _, node in chosen:
-            del node.parent.children[node.tokens]
-            del self._by_block[node.block]
             blocks.append(node.block)
             hashes.append(node.hash)
+        for block in blocks:
+            self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
+        for _, node in chosen:
+            del node.parent.children[node.key]
+            del self._by_block[node.block]
             node.block = None
         self._evictions += len(blocks)
         if blocks:
             _log.debug("prefix_cache_evicted", blocks=len(blocks))
             if self._on_event is not None:
-                self._on_event(BlockRemoved(block_hashes=tuple(hashes), block_ids=tuple(blocks)))
+                self._emit(BlockRemoved(block_hashes=tuple(hashes), block_ids=tuple(blocks)))
         return blocks
 
     def evict(self, n: int) -> list[int]:
         """Evict up to `n` least-recently-used leaves whose block only the cache holds,
         children before parents; returns the blocks, now on the free list. A block a
         sequence still holds is never evicted."""
-        return self._evict_chosen(self._select(non_negative_int(n, "number of blocks to evict")))
+        guard = self._guard
+        guard.enter()
+        try:
+            evicted = self._evict_chosen(self._select(non_negative_int(n, "number of blocks to evict")))
+        finally:
+            guard.exit()
+        self.deliver_events()
+        return evicted
 
     def reclaim(self, n: int) -> bool:
         """Evict exactly `n` blocks if that many are evictable, else nothing; True on
-        success. The cache calls this when its free list is short."""
-        chosen = self._select(n)
-        if len(chosen) < n:
-            self._unselect(chosen)
-            return False
-        self._evict_chosen(chosen)
-        return True
-
-    def deliver_events(self) -> None:
-        """The cache's cue that an allocating operation has completed (events are delivered
-        as they happen today)."""
+        success. The cache calls this when its free list is short, and `deliver_events()`
+        once the allocation is complete."""
+        guard = self._guard
+        guard.enter()
+        try:
+            chosen = self._select(n)
+            if len(chosen) < n:
+                self._unselect(chosen)
+                return False
+            self._evict_chosen(chosen)
+            return True
+        finally:
+            guard.exit()
 
     def clear(self) -> None:
         """Forget every cached block, handing back the cache's references (blocks that
         sequences still hold stay with them)."""
+        guard = self._guard
+        guard.enter()
+        try:
+            self._clear_checked()
+        finally:
+            guard.exit()
+        self.deliver_events()
+
+    def _clear_checked(self) -> None:
         blocks = list(self._by_block)
         for block in blocks:
-            self._cache.return_evicted_block(block)  # while still held, as the cache requires
+            self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
         for node in self._by_block.values():
             node.block = None
         self._roots.clear()
@@ -388,14 +578,24 @@ class PrefixCache:
         self._heap = []
         _log.info("prefix_cache_cleared", blocks=len(blocks))
         if self._on_event is not None:
-            self._on_event(AllBlocksCleared())
+            self._emit(AllBlocksCleared())
 
     def close(self) -> None:
-        """`clear()` and detach from the cache, which then allocates without evicting."""
+        """`clear()` and detach from the cache, which then allocates without evicting.
+        Afterwards the prefix cache takes nothing: `insert` raises, `match` finds nothing,
+        and a SequenceTable on it offers nothing. A second call does nothing."""
+        guard = self._guard
+        guard.enter()
         try:
-            self.clear()
+            if not self._closed:
+                self._closed = True
+                try:
+                    self._clear_checked()
+                finally:
+                    self._cache.detach_prefix_cache(self)
         finally:
-            self._cache.detach_prefix_cache(self)
+            guard.exit()
+        self.deliver_events()
 
     # -- introspection -----------------------------------------------------------------
 
@@ -443,11 +643,11 @@ class PrefixCache:
                 parent = stack.pop()
                 for key, node in parent.children.items():
                     seen += 1
-                    if node.parent is not parent or node.tokens != key or len(key) != self._block_size:
+                    if node.parent is not parent or node.key != key or len(key) != 8 * self._block_size:
                         raise KvCacheError(f"prefix tree node for block {node.block} is misplaced")
                     if node.adapter_id != adapter_id:
                         raise KvCacheError(f"block {node.block} sits under adapter {adapter_id}'s root")
-                    if node.hash != chain_hash(parent.hash, key):
+                    if node.hash != int.from_bytes(_chain_digest(parent.hash.to_bytes(8, "little"), key), "little"):
                         raise KvCacheError(f"block {node.block} carries a wrong hash {node.hash:#x}")
                     if self._by_block.get(node.block) is not node:
                         raise KvCacheError(f"block {node.block} is in the tree but not indexed")
@@ -461,22 +661,3 @@ class PrefixCache:
 def adapter_id_checked(adapter_id: object) -> int:
     """`adapter_id` if it is a non-negative int (0 = base model), else ValueError naming it."""
     return non_negative_int(adapter_id, "adapter_id")
-
-
-def token_list(tokens: Sequence[int]) -> list[int]:
-    """`tokens` as a list of ints in [0, 2**63); ValueError/TypeError names a bad entry."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not (tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
-            raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
-        tokens = tokens.tolist()
-    elif isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    out = list(tokens)
-    for i, t in enumerate(out):
-        if type(t) is not int:
-            if isinstance(t, (bool, float)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"token {i} must be an int, got {t!r}")
-            out[i] = t = int(t)
-        if not 0 <= t <= _MAX_TOKEN:
-            raise ValueError(f"token {i} is {t}: token ids must lie in [0, 2**63)")
-    return out

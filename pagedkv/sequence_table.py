@@ -17,6 +17,8 @@ Every `add`/`append` is all-or-nothing: on any error every count is as it was.
 
 from __future__ import annotations
 
+import functools
+from threading import get_ident
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -24,15 +26,17 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend
 from .cache import PagedKvCache
 from .errors import KvCacheError
+from .guard import ThreadGuard
 from .log import get_logger
-from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked, token_list
+from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .streams import stream_handle
-from .validate import non_negative_int
+from .validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
 from .views import DeviceArrayPtr, export_dlpack, export_dlpack_device
 
 _log = get_logger("sequence_table")
 
 _ALIGN = 16  # bytes between arrays packed into one upload
+_MAX_TOKEN_ID = MAX_TOKEN_ID
 
 
 class PageTable(NamedTuple):
@@ -50,7 +54,11 @@ class Exported(NamedTuple):
     table has a backend, `device` (a DevicePtr, or a PageTable of DevicePtrs) into a buffer
     the table owns and overwrites on the next export of the same kind; else None.
     A single-array export is a DLPack producer of `device` when there is one, else of
-    `host`; each device pointer is one too (`pagedkv.views.DeviceArrayPtr`)."""
+    `host`; each device pointer is one too (`pagedkv.views.DeviceArrayPtr`).
+
+    `np.asarray(export)` is the host array (what `write_tokens`/`read_tokens` take as
+    slots); a page table's parts are `export.indptr`, `.indices` and `.last_page_len`, each
+    an Exported of one array."""
 
     host: object
     device: object
@@ -58,9 +66,73 @@ class Exported(NamedTuple):
     __dlpack__ = export_dlpack
     __dlpack_device__ = export_dlpack_device
 
+    def __array__(self, dtype=None, copy=None):
+        if isinstance(self.host, PageTable):
+            raise TypeError(
+                "a page-table export holds three arrays: take np.asarray(export.indptr), "
+                "export.indices or export.last_page_len"
+            )
+        arr = np.asarray(self.host, dtype=dtype)
+        return arr.copy() if copy else arr
+
+    def _part(self, index: int) -> "Exported":
+        if not isinstance(self.host, PageTable):
+            raise AttributeError(f"only a page-table export has parts, this one holds {type(self.host).__name__}")
+        return Exported(self.host[index], None if self.device is None else self.device[index])
+
+    @property
+    def indptr(self) -> "Exported":
+        """A page-table export's `indptr` (host array and device pointer)."""
+        return self._part(0)
+
+    @property
+    def indices(self) -> "Exported":
+        """A page-table export's `indices` (host array and device pointer)."""
+        return self._part(1)
+
+    @property
+    def last_page_len(self) -> "Exported":
+        """A page-table export's `last_page_len` (host array and device pointer)."""
+        return self._part(2)
+
+
+def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int] | None]:
+    """`append`'s (n_tokens, token_ids), checked: ids under the one token-id rule, n_tokens
+    defaulting to their count (else 1) and agreeing with it."""
+    if token_ids is not None:
+        token_ids = valid_token_ids(token_ids, "token_ids")
+        if n_tokens is None:
+            n_tokens = len(token_ids)
+        elif n_tokens != len(token_ids):
+            raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
+    elif n_tokens is None:
+        n_tokens = 1
+    if type(n_tokens) is not int or n_tokens < 0:  # type: ignore[operator]
+        n_tokens = non_negative_int(n_tokens, "n_tokens")
+    return n_tokens, token_ids  # type: ignore[return-value]
+
+
+def _guarded(method):
+    """Run `method` inside the table's thread guard, then deliver the prefix cache's events."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        guard = self._guard
+        guard.enter()
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            guard.exit()
+        self._deliver()
+        return result
+
+    return run
+
 
 class _Seq:
-    __slots__ = ("blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared")
+    __slots__ = (
+        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room"
+    )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.blocks = blocks  # held blocks, oldest first
@@ -71,6 +143,11 @@ class _Seq:
         self.adapter_id = adapter_id
         self.step_start = step_start  # first position written by the latest add/append
         self.maybe_shared = False  # set by fork: the partly filled last block may be shared
+        self.room = -1  # tokens `append` may reach without growing; -1 sends it to _grow
+
+    def settle(self, block_size: int) -> None:
+        """Recompute `room` after the blocks or `maybe_shared` changed."""
+        self.room = -1 if self.maybe_shared else (self.dropped + len(self.blocks)) * block_size
 
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
@@ -82,7 +159,11 @@ class SequenceTable:
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
-    `take_pending_copies()` itself."""
+    `take_pending_copies()` itself.
+
+    One thread at a time: the table shares its prefix cache's guard (or has its own), and a
+    call entering while another thread is inside raises ConcurrentUseError, changing
+    nothing. Prefix-cache events caused by a call are delivered when the call is done."""
 
     def __init__(
         self,
@@ -108,9 +189,17 @@ class SequenceTable:
         self._seqs: dict[Hashable, _Seq] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._buffers: dict[str, tuple[DevicePtr, int]] = {}
+        self._stale: list[DevicePtr] = []  # replaced export buffers whose free failed
+        self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
+
+    def _deliver(self) -> None:
+        prefix = self._prefix
+        if prefix is not None and prefix._events:
+            prefix.deliver_events()
 
     # -- lifecycle of a sequence -------------------------------------------------------
 
+    @_guarded
     def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
         """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
         the prefix cache (whole blocks; never the last prompt token, which the engine must
@@ -120,7 +209,12 @@ class SequenceTable:
         make room stay evicted (every count stays consistent)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        tokens = token_list(prompt_tokens)
+        data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
+        if data is None:  # not a list of plain ints in range: convert, or raise naming the entry
+            tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
+            data = int64_bytes_of_ids(tokens)
+        else:
+            tokens = list(prompt_tokens)
         n = len(tokens)
         needed = -(-n // self._bs)
         if self._window is not None and needed > self._window:
@@ -130,7 +224,7 @@ class SequenceTable:
         adapter_id = adapter_id_checked(adapter_id)
         found = PrefixMatch([], 0)
         if self._prefix is not None and n > 1:
-            found = self._prefix.reserve(tokens[: n - 1], adapter_id)
+            found = self._prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
         blocks, matched = found
         try:
             fresh = self._cache.alloc_blocks(needed - len(blocks))
@@ -144,13 +238,14 @@ class SequenceTable:
             self._prefix_cancel(found)
             raise
         if self._prefix is not None and n > 1:
-            self._prefix.confirm(n - 1, found)
-        self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+            self._prefix._confirm_checked(n - 1, found)
+        seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+        seq.settle(self._bs)
         return matched
 
     def _prefix_cancel(self, found: PrefixMatch) -> None:
-        if self._prefix is not None:
-            self._prefix.cancel(found)
+        if self._prefix is not None and found.blocks:
+            self._prefix._cancel_checked(found)
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
@@ -160,34 +255,72 @@ class SequenceTable:
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
         cache evicted to make room stay evicted (every count stays consistent)."""
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise KeyError(f"unknown sequence {seq_id!r}")
-        if token_ids is not None:
-            token_ids = token_list(token_ids)
-            if n_tokens is None:
-                n_tokens = len(token_ids)
-            elif n_tokens != len(token_ids):
-                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
-        elif n_tokens is None:
-            n_tokens = 1
-        if type(n_tokens) is not int or n_tokens < 0:
-            n_tokens = non_negative_int(n_tokens, "n_tokens")
-        old = seq.num_tokens
-        total = old + n_tokens
-        bs = self._bs
-        have = seq.dropped + len(seq.blocks)
-        if total <= have * bs and not seq.maybe_shared:
-            seq.num_tokens = total  # the decode fast path: room in a private last block
+        guard = self._guard
+        token = guard.token
+        try:
+            token.pop()  # the guard, claimed inline: this is the per-token hot path
+            took = True
+        except IndexError:
+            guard.enter()  # raises ConcurrentUseError unless this thread is already inside
+            took = False
+        grown = False
+        try:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise KeyError(f"unknown sequence {seq_id!r}")
+            if (
+                type(token_ids) is list
+                and len(token_ids) == 1
+                and type(token_ids[0]) is int
+                and 0 <= token_ids[0] <= _MAX_TOKEN_ID
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
+            ):  # a decode step's one id passes without building a copy
+                n_tokens = 1
+            else:
+                n_tokens, token_ids = _step_arguments(n_tokens, token_ids)
+            old = seq.num_tokens
+            total = old + n_tokens
+            if total > seq.room:
+                if took:
+                    guard.owner = get_ident()  # a full claim: the allocation may call back in
+                guard.depth += 1
+                try:
+                    self._grow(seq, old, total, n_tokens)
+                finally:
+                    guard.depth -= 1
+                    if took:
+                        guard.owner = None
+                grown = True
+            # else the decode fast path: room in a private last block
+            seq.num_tokens = total
             seq.step_start = old
-            self._remember(seq, n_tokens, token_ids)
-            return
-        self._grow(seq, old, total, n_tokens)
-        self._remember(seq, n_tokens, token_ids)
+            if seq.tokens_known and n_tokens:
+                if token_ids is None:
+                    seq.tokens_known = False
+                else:
+                    seq.tokens += token_ids
+        finally:
+            if took:
+                token.append(True)
+            else:
+                guard.exit()
+        if grown:
+            self._deliver()
 
     def _grow(self, seq: _Seq, old: int, total: int, n_tokens: int) -> None:
         bs, cache = self._bs, self._cache
         have = seq.dropped + len(seq.blocks)
+        if total == have * bs + 1 and not seq.maybe_shared and self._window is None:
+            block = cache.alloc_block()  # a decode step crossing into a fresh block
+            try:
+                self._init([block])
+            except BaseException:
+                cache.free_block(block)
+                raise
+            seq.blocks.append(block)
+            seq.num_tokens, seq.step_start = total, old
+            seq.room = (have + 1) * bs
+            return
         needed = -(-total // bs)
         if self._window is not None and n_tokens and needed - old // bs > self._window:
             raise ValueError(
@@ -217,16 +350,9 @@ class SequenceTable:
             cache.free_blocks(released)
         seq.num_tokens = total
         seq.step_start = old
+        seq.settle(bs)
 
-    @staticmethod
-    def _remember(seq: _Seq, n_tokens: int, token_ids: list[int] | None) -> None:
-        if not seq.tokens_known or not n_tokens:
-            return
-        if token_ids is None:
-            seq.tokens_known = False
-        else:
-            seq.tokens.extend(token_ids)
-
+    @_guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start `dst` as a copy of `src` sharing every block (one more reference each); the
         first write of either into a shared, partly filled last block copies it first."""
@@ -238,11 +364,15 @@ class SequenceTable:
             self._cache.inc_ref(block)
         if parent.num_tokens % self._bs:
             parent.maybe_shared = child.maybe_shared = True
+        parent.settle(self._bs)
+        child.settle(self._bs)
         self._seqs[dst] = child
 
+    @_guarded
     def free(self, seq_id: Hashable) -> None:
         """End a sequence: offer its full, fully known blocks to the prefix cache (when
-        there is one and the window dropped nothing), then drop its references tail first."""
+        there is one, it is not closed and the window dropped nothing), then drop its
+        references tail first."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
@@ -251,20 +381,25 @@ class SequenceTable:
         finally:
             self._cache.free_blocks(seq.blocks)
 
+    @_guarded
     def cache_prefix(self, seq_id: Hashable) -> int:
         """Offer a live sequence's full, fully known blocks to the prefix cache now (call it
         once their KV is written, so other requests can share them before this one ends);
-        returns how many blocks were newly cached."""
+        returns how many blocks were newly cached. KvCacheError when the prefix cache is
+        closed."""
         seq = self._get(seq_id)
+        if self._prefix is not None:
+            self._prefix._check_open("cache_prefix")
         return self._offer(seq)
 
     def _offer(self, seq: _Seq) -> int:
-        if self._prefix is None or seq.dropped:
+        prefix = self._prefix
+        if prefix is None or prefix._closed or seq.dropped:
             return 0
         full = min(len(seq.tokens), seq.num_tokens) // self._bs
         if not full:
             return 0
-        return self._prefix.insert(seq.tokens[: full * self._bs], seq.blocks[:full], seq.adapter_id)
+        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True)
 
     def _init(self, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -276,6 +411,7 @@ class SequenceTable:
         else:
             self._pending_copies.append((src, dst))
 
+    @_guarded
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write `(src, dst)` pairs a table without a backend could not perform;
         the engine must copy them (e.g. `cache.copy_blocks`) before it writes the step and
@@ -322,6 +458,7 @@ class SequenceTable:
                 refs[block] = refs.get(block, 0) + 1
         return refs
 
+    @_guarded
     def check_invariants(self) -> None:
         """Check the cache's invariants, the prefix cache's, and that every block's count
         equals the references this table and its prefix cache hold (assumes they are the
@@ -345,17 +482,34 @@ class SequenceTable:
 
     # -- exports for attention kernels -------------------------------------------------
 
+    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
+        """The live sequences of `seq_ids`, each at most once; TypeError for a str or a
+        non-iterable, ValueError naming a repeated id, KeyError naming an unknown one."""
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
+        ids = list(seq_ids)
+        seqs = [self._get(s) for s in ids]
+        if len(set(map(id, seqs))) != len(seqs):
+            seen: set[int] = set()
+            for seq_id, seq in zip(ids, seqs):
+                if id(seq) in seen:
+                    raise ValueError(f"sequence {seq_id!r} is listed more than once in seq_ids")
+                seen.add(id(seq))
+        return seqs
+
+    @_guarded
     def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
         with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`). The export
         is a DLPack producer: of the device buffer with a backend, else of the host array."""
-        seqs = [self._get(s) for s in seq_ids]
+        seqs = self._seq_list(seq_ids)
         width = max((len(s.blocks) for s in seqs), default=0)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for row, seq in enumerate(seqs):
             table[row, : len(seq.blocks)] = seq.blocks
         return Exported(table, self._upload("block_table", [table]))
 
+    @_guarded
     def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks.
 
@@ -370,7 +524,7 @@ class SequenceTable:
 
         With a backend, `device` is a PageTable of DLPack producers (kDLCPU on HostBackend,
         kDLCUDA on CudaBackend); without one, `host` holds numpy arrays (DLPack producers too)."""
-        seqs = [self._get(s) for s in seq_ids]
+        seqs = self._seq_list(seq_ids)
         lengths = np.fromiter((len(s.blocks) for s in seqs), dtype=np.int32, count=len(seqs))
         indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(lengths, out=indptr[1:])
@@ -385,10 +539,12 @@ class SequenceTable:
         device = self._upload("page_table", list(host))
         return Exported(host, None if device is None else PageTable(*device))
 
+    @_guarded
     def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
         """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
         `add` or `append` introduced (for `add`, those after the prefix-cache match),
-        sequence after sequence, padded with -1 (skip) to `pad_to` entries.
+        sequence after sequence, padded with -1 (skip) to `pad_to` entries (at most the
+        cache's slot count, `num_blocks * block_size`).
 
         Example, block_size 4: A holds blocks [7, 2, 9] and its latest append added
         positions 7 and 8; B holds [4] and was just added with 3 tokens::
@@ -398,9 +554,13 @@ class SequenceTable:
 
         The export (and `device`, with a backend) is a DLPack producer."""
         bs = self._bs
+        if pad_to is not None:
+            pad_to = non_negative_int(pad_to, "pad_to")
+            limit = self._cache.num_blocks() * bs
+            if pad_to > limit:
+                raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
         out: list[int] = []
-        for seq_id in seq_ids:
-            seq = self._get(seq_id)
+        for seq in self._seq_list(seq_ids):
             blocks, dropped = seq.blocks, seq.dropped
             if seq.num_tokens - seq.step_start <= 16:
                 out.extend(blocks[p // bs - dropped] * bs + p % bs for p in range(seq.step_start, seq.num_tokens))
@@ -410,9 +570,8 @@ class SequenceTable:
                 out.extend((held[positions // bs - dropped] * bs + positions % bs).tolist())
         slots = np.array(out, dtype=np.int64)
         if pad_to is not None:
-            if non_negative_int(pad_to, "pad_to") < slots.size:
+            if pad_to < slots.size:
                 raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
-            pad_to = int(pad_to)
             slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
         return Exported(slots, self._upload("slot_mapping", [slots]))
 
@@ -439,10 +598,11 @@ class SequenceTable:
             return current[0]
         size = max(nbytes, 2 * current[1] if current else 4096)
         ptr = self._gpu.alloc(size)
+        self._buffers[kind] = (ptr, size)  # recorded before the old one is freed
         if current is not None:
-            del self._buffers[kind]
-            self._gpu.free(current[0])
-        self._buffers[kind] = (ptr, size)
+            self._stale.append(current[0])
+            self._gpu.free(current[0])  # on failure it stays in _stale for `release`
+            self._stale.remove(current[0])
         return ptr
 
     # -- release -----------------------------------------------------------------------
@@ -451,17 +611,27 @@ class SequenceTable:
         """A short name for teardown messages."""
         return f"SequenceTable({len(self._seqs)} sequences)"
 
+    @_guarded
     def release(self, gpu: GpuBackend | None = None) -> None:
         """Free the export buffers on the table's backend (`gpu` if it has none); the
-        sequences and their blocks stay. A second call does nothing."""
+        sequences and their blocks stay. Every buffer is attempted and the first error
+        raised; a buffer whose free failed stays recorded, so another call retries it.
+        Once all are freed a further call does nothing."""
+        pending = [ptr for ptr, _ in self._buffers.values()] + self._stale
+        if not pending:
+            return
         backend = self._gpu or gpu
-        buffers, self._buffers = self._buffers, {}
+        if backend is None:
+            raise ValueError(f"release needs the backend that holds the table's {len(pending)} export buffer(s)")
+        self._buffers = {}
+        self._stale = []
         first: BaseException | None = None
-        for ptr, _ in buffers.values():
+        for ptr in pending:
             try:
                 backend.free(ptr)
             except Exception as err:  # noqa: BLE001 - every buffer must be attempted
                 first = first or err
+                self._stale.append(ptr)
                 _log.error("sequence_table_buffer_free_failed", error=str(err))
         if first is not None:
             raise first

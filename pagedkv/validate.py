@@ -3,7 +3,9 @@ and counts, with errors that name the argument and the bad value."""
 
 from __future__ import annotations
 
+import array
 import operator
+import sys
 
 import numpy as np
 
@@ -53,36 +55,61 @@ def index_in_range(value: object, size: int, what: str, of: str) -> int:
 
 
 MAX_TOKEN_ID = 2**63 - 1
-"""The largest token id: ids are ints in [0, 2**63), so every one fits an int64."""
+"""The largest token id (ids are stored and hashed as int64)."""
 
 
 def token_ids(values: object, what: str = "tokens") -> list[int]:
-    """`values` (a sequence of ints, numpy integers included, or a 1-D integer numpy array)
-    as a new list of Python ints, each in [0, 2**63). TypeError naming `what` and the value
-    for None, a str/bytes, a non-sequence, a bool, a float or another non-integer entry;
-    ValueError naming the entry's position and value for an id outside the range."""
+    """`values` as a new list of token ids: ints (Python or numpy, never bool) in
+    [0, 2**63), from a list, tuple or other sized iterable, or a 1-D integer numpy array.
+    TypeError for a non-sequence (None, a str or bytes included) or a non-int entry,
+    ValueError for an id out of range; each names `what`, the position and the value."""
+    if type(values) is list:
+        return list(checked_token_ids(values, what))
+    return checked_token_ids(list(values) if type(values) is tuple else _token_sequence(values, what), what)
+
+
+def checked_token_ids(values: list, what: str) -> list[int]:
+    """`token_ids` of a list, returning `values` itself when every entry already is a
+    Python int in range (checked at C speed), else a corrected new list or the error."""
+    if int64_bytes_of_ids(values) is not None:
+        return values
+    out = list(values)
+    for i, t in enumerate(out):
+        if type(t) is not int:
+            if isinstance(t, (bool, float)) or not (isinstance(t, int) or hasattr(t, "__index__")):
+                raise TypeError(f"{what}[{i}] must be an int token id, got {t!r}")
+            out[i] = t = operator.index(t)
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{what}[{i}] is {t}: token ids must lie in [0, 2**63)")
+    return out
+
+
+def int64_bytes_of_ids(values: list) -> bytes | None:
+    """The int64 little-endian bytes of `values` when it is a list of Python ints in
+    [0, 2**63) (checked at C speed), else None (the caller then checks entry by entry)."""
+    if not values:
+        return b""
+    if set(map(type, values)) != {int}:
+        return None
+    try:
+        wide = array.array("Q", values)  # refuses a negative id; much faster to build than "q"
+    except OverflowError:
+        return None
+    if int(np.frombuffer(wide, dtype=np.uint64).max()) > MAX_TOKEN_ID:
+        return None
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        wide.byteswap()
+    return wide.tobytes()
+
+
+def _token_sequence(values: object, what: str) -> list:
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or not (values.size == 0 or np.issubdtype(values.dtype, np.integer)):
-            raise TypeError(
-                f"{what} must be a 1-D integer array, got dtype {values.dtype} of shape {values.shape}"
-            )
-        values = values.tolist()
-    elif isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__") or not hasattr(
-        values, "__iter__"
-    ):
+            raise TypeError(f"{what} must be a 1-D integer array, got dtype {values.dtype} of shape {values.shape}")
+        return values.tolist()
+    if values is None or isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__"):
         raise TypeError(f"{what} must be a sequence of int token ids, got {type(values).__name__} {values!r:.80}")
-    out = list(values)  # type: ignore[call-overload]
-    if set(map(type, out)) - {int}:
-        for i, t in enumerate(out):
-            if type(t) is not int:
-                if isinstance(t, (bool, float)) or not isinstance(t, (int, np.integer)):
-                    raise TypeError(f"{what}[{i}] must be an int token id, got {t!r}")
-                out[i] = int(t)
-    if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
-        for i, t in enumerate(out):
-            if not 0 <= t <= MAX_TOKEN_ID:
-                raise ValueError(f"{what}[{i}] is {t}: token ids must lie in [0, 2**63)")
-    return out
+    return list(values)
 
 
 def block_index(value: object, num_blocks: int) -> int:

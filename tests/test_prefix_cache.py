@@ -19,6 +19,7 @@ from pagedkv import (
     PrefixCache,
     PrefixMatch,
     RefCountError,
+    SequenceTable,
 )
 from pagedkv.prefix_cache import chain_hash, root_hash
 
@@ -219,13 +220,13 @@ def test_insert_keeps_existing_blocks_and_rejects_bad_blocks(gpu):
         prefix.insert([2] * 8, [other[0], other[0]])
     free_block = cache.alloc_block()
     cache.free_block(free_block)
-    with pytest.raises(RefCountError, match=f"insert of free block {free_block}"):
+    with pytest.raises(RefCountError, match=f"insert of a free block.*inc_ref of free block {free_block}"):
         prefix.insert([2] * 4, [free_block])
     with pytest.raises(ValueError, match="9 tokens fill 2 block"):
         prefix.insert([2] * 9, [other[0]])
-    with pytest.raises(ValueError, match="token 1 is -5"):
+    with pytest.raises(ValueError, match=r"tokens\[1\] is -5"):
         prefix.insert([2, -5, 2, 2], [other[0]])
-    with pytest.raises(TypeError, match="token 0 must be an int, got 1.5"):
+    with pytest.raises(TypeError, match=r"tokens\[0\] must be an int token id, got 1.5"):
         prefix.insert([1.5, 2, 2, 2], [other[0]])
     with pytest.raises(ValueError, match="adapter_id must be a non-negative int, got -1"):
         prefix.match([1] * 4, adapter_id=-1)
@@ -287,7 +288,7 @@ def test_match_refuses_tokens_that_are_not_ints(gpu):
     blocks = held_by_caller(cache, tokens, prefix)
     before = counts(cache)
     for bad, shown in (([float(t) for t in tokens], "0.0"), ([True] + tokens[1:], "True")):
-        with pytest.raises(TypeError, match=f"token 0 must be an int, got {shown}"):
+        with pytest.raises(TypeError, match=rf"tokens\[0\] must be an int token id, got {shown}"):
             prefix.match(bad)
     assert counts(cache) == before
     assert prefix.match(np.array(tokens, dtype=np.int32)).blocks == blocks
@@ -329,3 +330,253 @@ def test_reserve_then_confirm_or_cancel(gpu):
     cache.free_blocks(found.blocks)
     prefix.close()
     cache.release(gpu)
+
+
+# -- hash values are part of the KV-event contract ------------------------------------------
+
+
+def test_hash_values_are_pinned(gpu):
+    """Values computed on commit bcc1fa4 (before the insert loop was rewritten): routers
+    compare them across engines, so they must never change."""
+    r0 = root_hash(0)
+    assert (r0, root_hash(7)) == (0x984CD6943ED57F52, 0x6D5780DC1BA99DE8)
+    assert chain_hash(r0, list(range(16))) == 0x0F778A62521EE411
+    assert chain_hash(0x0F778A62521EE411, [2**63 - 1] * 16) == 0x64BD1C23215ED345
+    assert chain_hash(root_hash(7), [5, 0, 31999, 12] * 4) == 0xDC96A4B7159D4869
+    cache = make_cache(gpu)
+    events = []
+    prefix = PrefixCache(cache, on_event=events.append)
+    first = cache.alloc_blocks(3)
+    prefix.insert([7, 2**63 - 1, 0, 31999, 5, 5, 5, 5, 1, 2, 3, 4], first, adapter_id=3)
+    more = cache.alloc_blocks(2)
+    prefix.insert([7, 2**63 - 1, 0, 31999, 5, 5, 5, 5, 9, 9, 9, 9, 8, 8, 8, 8], first[:2] + more, adapter_id=3)
+    assert events[0].block_hashes == (0xF15FF353778C4CA8, 0x24585DF407D9D40A, 0xDE1346873E7C0699)
+    assert events[1].block_hashes == (0x9BCEDB6546166F57, 0x1AE33FF0A48A6ABB)
+    assert events[1].parent_block_hash == 0x24585DF407D9D40A
+    assert [prefix.block_hash(b) for b in more] == list(events[1].block_hashes)
+    prefix.check_invariants()
+
+
+# -- events are delivered once the operation is complete ------------------------------------
+
+
+def fully_cached(cache, prefix, n_blocks):
+    """Cache `n_blocks` blocks of distinct tokens and release the caller's references:
+    every block is then evictable and the free list holds the rest."""
+    blocks = cache.alloc_blocks(n_blocks)
+    prefix.insert(list(range(100, 100 + n_blocks * BS)), blocks)
+    cache.free_blocks(blocks)
+    return blocks
+
+
+def test_a_consumer_that_allocates_sees_a_finished_allocation(gpu):
+    cache = make_cache(gpu)
+    got = []
+
+    def consumer(event):
+        if isinstance(event, BlockRemoved) and not got:
+            got.append(cache.alloc_block())  # evicts once more: its event comes after this one
+            cache.check_invariants(held)
+
+    prefix = PrefixCache(cache, on_event=consumer)
+    fully_cached(cache, prefix, 8)
+    held = prefix.block_references()
+    taken = cache.alloc_blocks(3)
+    assert len(taken) == 3 and len(got) == 1 and len(set(taken) | set(got)) == 4
+    assert prefix.stats().evictions == 4 and cache.num_free_blocks() == 0
+    held = prefix.block_references()
+    for block in taken + got:
+        held[block] = 1
+    cache.check_invariants(held)
+    prefix.check_invariants()
+
+
+def test_a_consumer_that_raises_leaves_the_operation_done(gpu):
+    cache = make_cache(gpu)
+    seen = []
+
+    def consumer(event):
+        seen.append(event)
+        if len(seen) == 1:
+            raise RuntimeError("consumer failed")
+
+    prefix = PrefixCache(cache, on_event=consumer)
+    blocks = cache.alloc_blocks(2)
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        prefix.insert(list(range(2 * BS)), blocks)
+    assert prefix.num_cached_blocks() == 2 and counts(cache)[:2] == [2, 2]  # the insert is complete
+    prefix.check_invariants()
+    cache.free_blocks(blocks)
+    # an allocation whose eviction event raises hands its blocks back: nothing taken
+    seen.clear()
+    free_before = cache.num_free_blocks()
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        cache.alloc_blocks(7)
+    assert cache.num_free_blocks() == free_before + 1 and prefix.num_cached_blocks() == 1
+    cache.check_invariants(prefix.block_references())
+    assert len(seen) == 1
+
+
+def test_events_after_a_raising_one_stay_queued(gpu):
+    cache = make_cache(gpu)
+    seen, extra = [], []
+
+    def consumer(event):
+        if not isinstance(event, BlockRemoved):
+            return
+        seen.append(event.block_ids)
+        if len(seen) == 1:
+            extra.append(cache.alloc_block())  # evicts again: that event waits behind this one
+            raise RuntimeError("consumer failed")
+
+    prefix = PrefixCache(cache, on_event=consumer)
+    fully_cached(cache, prefix, 8)
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        cache.alloc_block()
+    assert len(seen) == 1 and cache.num_free_blocks() == 1  # the raising allocation handed its block back
+    prefix.deliver_events()
+    assert seen == [(7,), (6,)] and extra == [6]
+    prefix.deliver_events()  # nothing left: nothing delivered twice
+    assert len(seen) == 2
+
+
+def test_events_wait_for_the_end_of_a_sequence_table_call(gpu):
+    cache = make_cache(gpu)
+    observed = []
+
+    def consumer(event):
+        observed.append((type(event).__name__, len(table), cache.num_free_blocks()))
+
+    prefix = PrefixCache(cache, on_event=consumer)
+    table = SequenceTable(cache, prefix)
+    table.add("a", list(range(8 * BS)))
+    table.free("a")  # all 8 blocks are cached: reported once "a" is gone
+    assert observed == [("BlockStored", 0, 0)]
+    table.add("b", list(range(500, 500 + 3 * BS)))  # evicts three: reported once "b" exists
+    assert observed[1:] == [("BlockRemoved", 1, 0)]
+    table.check_invariants()
+
+
+# -- a match or reservation is released once --------------------------------------------------
+
+
+def test_a_reservation_is_released_once(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    tokens = list(range(2 * BS))
+    fully_cached_blocks = held_by_caller(cache, tokens, prefix)
+    cache.free_blocks(fully_cached_blocks)
+    found = prefix.reserve(tokens + [1])
+    prefix.cancel(found)
+    before = counts(cache)
+    for again in (lambda: prefix.cancel(found), lambda: prefix.confirm(9, found)):
+        with pytest.raises(RefCountError, match="already confirmed or cancelled"):
+            again()
+        assert counts(cache) == before
+    found = prefix.reserve(tokens + [1])
+    prefix.confirm(9, found)
+    with pytest.raises(RefCountError, match="already confirmed or cancelled"):
+        prefix.cancel(found)
+    cache.free_blocks(found.blocks)
+    assert counts(cache) == before
+    with pytest.raises(TypeError, match="takes the result of reserve"):
+        prefix.cancel(PrefixMatch(fully_cached_blocks, 8))
+    assert counts(cache) == before
+
+
+def test_freeing_a_match_twice_never_hands_out_cached_kv(gpu):
+    """The issue's scenario: a second release of a match took a cached block to count 0, the
+    block was reused while still cached, and a later match returned another sequence's KV."""
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    prompt = list(range(2 * BS))
+    cached = held_by_caller(cache, prompt, prefix)
+    cache.free_blocks(cached)
+    found = prefix.match(prompt)
+    cache.free_blocks(found.blocks)
+    before = counts(cache)
+    with pytest.raises(RefCountError, match=f"would free block {cached[0]}, which the prefix cache still holds"):
+        cache.free_blocks(found.blocks)
+    for release in (cache.dec_ref, cache.free_block):
+        with pytest.raises(RefCountError, match="which the prefix cache still holds"):
+            release(found.blocks[0])
+    assert counts(cache) == before
+    others = [cache.alloc_block() for _ in range(cache.num_free_blocks())]
+    assert not set(others) & set(cached)
+    assert prefix.match(prompt).blocks == cached
+    cache.check_invariants({**prefix.block_references(), **{b: 2 for b in cached}, **dict.fromkeys(others, 1)})
+
+
+def test_return_evicted_block_refuses_a_block_the_prefix_cache_does_not_hold(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    block = cache.alloc_block()
+    cache.inc_ref(block)
+    with pytest.raises(RefCountError, match=f"return_evicted_block of block {block}, which no attached prefix cache holds"):
+        cache.return_evicted_block(block)
+    assert cache.ref_count(block) == 2
+    del prefix
+
+
+def test_check_invariants_catches_a_free_block_that_is_still_cached(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    block = fully_cached(cache, prefix, 1)[0]
+    cache._allocator._refs[block] = 0  # the corruption a double release used to leave behind
+    cache._allocator._free.append(block)
+    with pytest.raises(RefCountError, match=f"free block {block} is still held by the prefix cache"):
+        cache.check_invariants()
+
+
+# -- a closed prefix cache takes nothing --------------------------------------------------------
+
+
+def test_a_closed_prefix_cache_takes_nothing(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix)
+    prompt = list(range(2 * BS + 1))
+    table.add("a", prompt)
+    prefix.close()
+    assert prefix.closed() and cache.attached_prefix_cache() is None
+    with pytest.raises(KvCacheError, match="insert on a closed PrefixCache"):
+        prefix.insert(prompt, table.blocks("a"))
+    with pytest.raises(KvCacheError, match="cache_prefix on a closed PrefixCache"):
+        table.cache_prefix("a")
+    table.free("a")
+    assert prefix.num_cached_blocks() == 0 and cache.num_free_blocks() == 8
+    for i in range(20):  # with nothing evicting, a tree that kept growing would exhaust the cache
+        table.add(i, prompt)
+        table.free(i)
+    assert prefix.match(prompt) == PrefixMatch([], 0)
+    assert prefix.num_cached_blocks() == 0 and cache.num_free_blocks() == 8
+    prefix.close()  # a second close does nothing
+    table.check_invariants()
+
+
+# -- one token-id rule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, error, shown",
+    [
+        (None, TypeError, "tokens must be a sequence of int token ids, got None"),
+        ("abcd", TypeError, "tokens must be a sequence of int token ids, got str 'abcd'"),
+        ([2**64], ValueError, r"tokens\[0\] is 18446744073709551616: token ids must lie in \[0, 2\*\*63\)"),
+        ([1, 2, -1], ValueError, r"tokens\[2\] is -1"),
+        ([2**63], ValueError, r"tokens\[0\] is 9223372036854775808"),
+        ([1, True], TypeError, r"tokens\[1\] must be an int token id, got True"),
+    ],
+)
+def test_match_and_reserve_use_the_one_token_id_rule(gpu, bad, error, shown):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix)
+    fully_cached(cache, prefix, 2)
+    before = (counts(cache), prefix.stats())
+    for call in (prefix.match, prefix.reserve):
+        with pytest.raises(error, match=shown):
+            call(bad)
+    with pytest.raises(error, match=shown.replace("tokens", "prompt_tokens", 1)):
+        table.add("s", bad)
+    assert (counts(cache), prefix.stats()) == before and len(table) == 0

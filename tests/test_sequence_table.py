@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
+
 import numpy as np
 import pytest
 
 from pagedkv import (
+    ConcurrentUseError,
+    DeviceMemoryError,
+    HostBackend,
     KvCacheConfig,
     KvCacheExhausted,
     PagedKvCache,
@@ -279,3 +286,246 @@ def test_add_evicts_cached_blocks_when_short(gpu):
     assert table.add("b", [9] * 13) == 0
     assert prefix.num_cached_blocks() == 0 and table.blocks("b") == [0, 1, 2, 3]
     table.check_invariants()
+
+
+# -- exports are arrays to numpy and to write_tokens ------------------------------------------
+
+
+def test_exports_are_their_host_arrays_to_numpy_and_write_tokens(gpu):
+    cache = make_cache(gpu, num_blocks=16)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", list(range(6)))
+    table.add("b", list(range(3)))
+    blocks = table.block_table(["a", "b"])
+    assert np.asarray(blocks).tolist() == [[0, 1], [2, -1]] and np.asarray(blocks, dtype=np.int64).dtype == np.int64
+    page = table.page_table(["a", "b"])
+    assert [np.asarray(part).tolist() for part in (page.indptr, page.indices, page.last_page_len)] == [
+        [0, 2, 3],
+        [0, 1, 2],
+        [2, 3],
+    ]
+    assert page.indices.device == page.device.indices
+    with pytest.raises(TypeError, match="page-table export holds three arrays"):
+        np.asarray(page)
+    with pytest.raises(AttributeError, match="only a page-table export has parts"):
+        blocks.indptr
+    slots = table.slot_mapping(["a", "b"], pad_to=10)
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((10, 1, 16)).astype(np.float32)
+    v = rng.standard_normal((10, 1, 16)).astype(np.float32)
+    cache.write_tokens(0, slots, k, v, gpu, gpu.default_stream())
+    k_back, v_back = cache.read_tokens(0, slots, gpu)
+    written = np.asarray(slots) != -1
+    assert written.sum() == 9
+    bf16 = k.astype(np.float32)  # bf16 rounding: compare through the same rounding
+    np.testing.assert_allclose(k_back[written], bf16[written], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(v_back[written], v[written], rtol=1e-2, atol=1e-2)
+    table.release()
+
+
+def test_export_arguments_are_checked(gpu):
+    cache = make_cache(gpu, num_blocks=16)
+    table = SequenceTable(cache)
+    table.add("a", [1, 2])
+    table.add("b", [3])
+    for export in (table.block_table, table.page_table, table.slot_mapping):
+        with pytest.raises(TypeError, match="seq_ids must be an iterable of sequence ids, got 'ab'"):
+            export("ab")
+        with pytest.raises(ValueError, match="sequence 'a' is listed more than once in seq_ids"):
+            export(["a", "b", "a"])
+    with pytest.raises(ValueError, match=f"pad_to is {2**40}, more than the cache's 64 slots"):
+        table.slot_mapping(["a"], pad_to=2**40)
+    with pytest.raises(ValueError, match="pad_to must be a non-negative int, got -1"):
+        table.slot_mapping(["a"], pad_to=-1)
+    assert table.slot_mapping(["a"], pad_to=64).host.size == 64
+
+
+class FlakyFree(HostBackend):
+    """A real HostBackend whose next `fail` frees raise (and free nothing)."""
+
+    def __init__(self):
+        super().__init__(capacity_bytes=1 << 30)
+        self.fail = 0
+
+    def free(self, ptr):
+        if self.fail:
+            self.fail -= 1
+            raise DeviceMemoryError(f"injected free failure of {int(ptr):#x}")
+        super().free(ptr)
+
+
+def test_a_failed_free_of_an_export_buffer_loses_nothing():
+    gpu = FlakyFree()
+    cache = make_cache(gpu, num_blocks=4096)
+    base = gpu.live_allocations()
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", [1])
+    table.slot_mapping(["a"])  # a 4 KiB buffer
+    assert gpu.live_allocations() == base + 1
+    table.add("big", list(range(600)))
+    gpu.fail = 1
+    with pytest.raises(DeviceMemoryError, match="injected free failure"):
+        table.slot_mapping(["big"])  # grows: the new buffer is recorded, the old one kept for release
+    assert gpu.live_allocations() == base + 2
+    grown = table.slot_mapping(["big"])  # the recorded buffer is reused: nothing new allocated
+    assert gpu.live_allocations() == base + 2
+    back = np.empty_like(grown.host)
+    gpu.copy_d2h(grown.device, back)
+    assert back.tolist() == grown.host.tolist()
+    table.block_table(["a"])
+    gpu.fail = 1
+    with pytest.raises(DeviceMemoryError, match="injected free failure"):
+        table.release()
+    assert gpu.live_allocations() == base + 1  # two of three freed, the failed one still recorded
+    table.release()  # retries it
+    assert gpu.live_allocations() == base
+    table.release()
+    assert gpu.live_allocations() == base
+
+
+def test_release_without_a_backend_forgets_nothing(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", [1])
+    table.block_table(["a"])
+    table._gpu = None  # a table whose backend the engine passes at release time
+    with pytest.raises(ValueError, match="release needs the backend that holds the table's 1 export buffer"):
+        table.release()
+    table.release(gpu)
+    table.release()
+
+
+# -- one thread at a time -----------------------------------------------------------------------
+
+
+class GatedFill(HostBackend):
+    """A real HostBackend whose fills wait for `gate` once `entered` is set, so a test can
+    hold one thread inside a SequenceTable call."""
+
+    def __init__(self):
+        super().__init__(capacity_bytes=1 << 30)
+        self.entered, self.gate, self.hold = threading.Event(), threading.Event(), False
+
+    def fill_blocks(self, regions, blocks, value, stream):
+        if self.hold:
+            self.entered.set()
+            assert self.gate.wait(30)
+        super().fill_blocks(regions, blocks, value, stream)
+
+
+def test_a_second_thread_inside_is_refused_and_changes_nothing():
+    gpu = GatedFill()
+    cache = make_cache(gpu, num_blocks=32)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu=gpu)
+    table.add("a", list(range(9)))
+    table.free("a")
+    before = (counts(cache), prefix.stats(), table.seq_ids())
+    gpu.hold = True
+    inside = threading.Thread(target=table.add, args=("b", list(range(9))))
+    inside.start()
+    assert gpu.entered.wait(30)
+    calls = [
+        lambda: table.add("c", [1, 2]),
+        lambda: table.append("b"),
+        lambda: table.free("b"),
+        lambda: table.block_table(["b"]),
+        lambda: prefix.match(list(range(9))),
+        lambda: prefix.insert([1] * 4, [0]),
+        lambda: prefix.evict(1),
+        lambda: prefix.clear(),
+    ]
+    errors = []
+
+    def call_all():
+        for call in calls:
+            try:
+                call()
+            except ConcurrentUseError as err:
+                errors.append(str(err))
+
+    others = [threading.Thread(target=call_all) for _ in range(3)]
+    for thread in others:
+        thread.start()
+    for thread in others:
+        thread.join(30)
+    gpu.gate.set()
+    inside.join(30)
+    assert len(errors) == 3 * len(calls)
+    assert "in use by another thread" in errors[0]
+    assert table.seq_ids() == ["b"] and before[2] == []
+    table.check_invariants()
+    assert prefix.stats().queries == before[1].queries + 1  # only "b"'s own lookup
+
+
+def test_four_threads_on_one_table_either_run_or_are_refused():
+    cache = make_cache(HostBackend(capacity_bytes=1 << 30), num_blocks=256)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix)
+    done, refused = [], []
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+
+    def worker(w):
+        rng = random.Random(w)
+        live = []
+        for i in range(300):
+            try:
+                if len(live) < 4:
+                    seq = (w, i)
+                    table.add(seq, [rng.randrange(3)] * rng.randrange(1, 14))
+                    live.append(seq)
+                elif rng.random() < 0.5:
+                    table.append(rng.choice(live), 1, [rng.randrange(3)])
+                else:
+                    table.free(live.pop(rng.randrange(len(live))))
+                done.append(w)
+            except ConcurrentUseError:
+                refused.append(w)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.setswitchinterval(previous)
+    assert len(done) + len(refused) == 4 * 300
+    table.check_invariants()  # the refused calls changed nothing; the tree is whole
+
+
+def test_append_uses_the_one_token_id_rule(gpu):
+    cache = make_cache(gpu)
+    table = SequenceTable(cache)
+    table.add("a", [1, 2, 3])
+    for bad, error, shown in (
+        ([-1], ValueError, r"token_ids\[0\] is -1"),
+        ([2**63], ValueError, r"token_ids\[0\] is 9223372036854775808"),
+        ([True], TypeError, r"token_ids\[0\] must be an int token id, got True"),
+        ("ab", TypeError, "token_ids must be a sequence of int token ids, got str 'ab'"),
+    ):
+        with pytest.raises(error, match=shown):
+            table.append("a", token_ids=bad)
+    assert table.num_tokens("a") == 3 and counts(cache)[0] == 1
+    table.append("a", token_ids=[np.int64(4)])
+    table.append("a", token_ids=[2**63 - 1])
+    assert table.num_tokens("a") == 5
+
+
+def test_serving_bench_section_runs_both_ways(capsys):
+    """tools/bench_serving.py at its quick size: both ways do the same work (same evictions,
+    invariants checked inside) and every line prints; no timing is asserted."""
+    import argparse
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
+    try:
+        import bench_serving
+    finally:
+        sys.path.pop(0)
+    bench_serving.run(argparse.Namespace(quick=True))
+    out = capsys.readouterr().out
+    assert "serving mix, 256 seqs x 32 steps: SequenceTable" in out
+    assert "prefix-cache evictions each way" in out
+    assert "match + free_blocks, cached 4096-token prompt:" in out and "first-time insert" in out

@@ -1,0 +1,64 @@
+"""One thread at a time: the cheap check that turns concurrent entry into an error.
+
+A `PrefixCache` and the `SequenceTable`s built on it share one `ThreadGuard`; every public
+method enters it with a non-blocking acquire, so a second thread entering while the first
+is inside raises `ConcurrentUseError` before anything changes, instead of corrupting the
+tree. The same thread may re-enter (a table calling its prefix cache, an event consumer
+calling back), and `depth` says how deep it is.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .errors import KvCacheError
+
+
+class ConcurrentUseError(KvCacheError):
+    """A thread entered a PrefixCache or SequenceTable while another thread was inside it;
+    nothing was changed by the refused call."""
+
+
+class ThreadGuard:
+    """A re-entrant owner check: `enter()` succeeds for the thread inside (or when nobody
+    is) and raises ConcurrentUseError otherwise; every `enter()` is paired with `exit()`.
+
+    The claim is one atomic `list.pop()` of `token` (a list holding one item while the
+    guard is free), cheaper than a lock; `owner` is the thread inside and `depth` how deep."""
+
+    __slots__ = ("token", "owner", "depth", "name")
+
+    def __init__(self, name: str):
+        self.token = [True]
+        self.owner: int | None = None
+        self.depth = 0
+        self.name = name
+
+    def enter(self) -> None:
+        """Claim the guard for this thread, or raise ConcurrentUseError naming the owner."""
+        try:
+            self.token.pop()
+        except IndexError:
+            if self.owner != threading.get_ident():
+                raise self.busy() from None
+        else:
+            self.owner = threading.get_ident()
+        self.depth += 1
+
+    def exit(self) -> None:
+        """Undo one `enter()`."""
+        self.depth -= 1
+        if not self.depth:
+            self.owner = None
+            self.token.append(True)
+
+    def inside(self) -> bool:
+        """True while some thread is inside."""
+        return not self.token
+
+    def busy(self) -> ConcurrentUseError:
+        """The error for a refused entry."""
+        return ConcurrentUseError(
+            f"{self.name} is in use by another thread: use it (and its PrefixCache and "
+            "SequenceTables) from one thread at a time, or serialise the calls with a lock"
+        )
