@@ -1,6 +1,10 @@
 """Exceptions raised by pagedkv."""
 
 
+class PagedKvError(Exception):
+    """Base class of every pagedkv error."""
+
+
 class KvCacheError(Exception):
     """Base class of the KV cache's own errors."""
 

@@ -151,10 +151,11 @@ def test_lifecycle_context_modules_and_close(stub_env):
         assert STUB.stub_live_streams() == 0 and STUB.stub_live_events() == 0
         gpu.close()  # a second close does nothing
         assert calls("cuDevicePrimaryCtxRelease") == 1
+        from pagedkv.driver import BackendClosed
         try:
             gpu.alloc(16)
-        except CudaError as err:
-            assert "closed" in str(err), err
+        except BackendClosed as err:
+            assert not isinstance(err, CudaError) and str(err) == "this CudaBackend is closed", err
         else:
             raise AssertionError("alloc after close must raise")
     ''')
@@ -277,6 +278,7 @@ def test_fill_launch_packs_every_field(stub_env):
         from pagedkv.driver import CudaBackend
         from pagedkv import HostBackend
         STUB.stub_set_device(2, 9, 0)
+        STUB.stub_set_occupancy(16)  # grids are SMs x the occupancy the driver reports
         host = HostBackend(1 << 20)
         with CudaBackend() as gpu:
             rows, blocks = [], [5, 0, 7]
@@ -307,7 +309,7 @@ def test_fill_launch_packs_every_field(stub_env):
             assert u32(p[4]) == 0xAB
             gpu.fill_blocks(regions, [1, 2, 3, 4, 6], 0, 0)
             rec, p = launch(-1)
-            assert list(rec.grid) == [min(3 * 5, 2 * 16), 1, 1] and rec.stream == 0
+            assert list(rec.grid) == [min(3 * 5, 2 * 16), 1, 1] and rec.stream == 1  # CU_STREAM_LEGACY
             assert int32_at(u64(p[2]), 5) == [1, 2, 3, 4, 6] and i32(p[3]) == 5 and u32(p[4]) == 0
             assert calls("cuMemcpyHtoD") == uploads, "the region table is uploaded once, not per launch"
             hregions = host.create_block_regions(host_rows)
@@ -349,7 +351,7 @@ def test_copy_launch_packs_every_field(stub_env):
             host.copy_blocks(hregions, src, dst, 0)
             rec, p = launch(-1)
             assert rec.name == b"pagedkv_copy_blocks"
-            assert list(rec.grid) == [6, 1, 1] and list(rec.block) == [256, 1, 1] and rec.stream == 0
+            assert list(rec.grid) == [6, 1, 1] and list(rec.block) == [256, 1, 1] and rec.stream == 1  # CU_STREAM_LEGACY
             assert u64(p[0]) == int(regions.device_table) and i32(p[1]) == 2
             assert int32_at(u64(p[2]), 3) == src and int32_at(u64(p[3]), 3) == dst
             assert i32(p[4]) == 3

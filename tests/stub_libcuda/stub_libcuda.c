@@ -556,12 +556,11 @@ static int32_t i32(const unsigned char *p) { int32_t v; memcpy(&v, p, 4); return
 
 typedef struct { int64_t base, stride, nbytes; } Region;
 
-static double bf16(uint16_t bits) {
-    uint32_t w = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &w, 4);
-    return (double)f;
-}
+/* The exact BF16 reduction's emulation, in the DRIVER additions at the end. */
+#define EXACT_RESULT_WORDS 36
+static void exact_reduce_partial(int64_t base, int64_t stride, int64_t nbytes, const int32_t *blocks, int n,
+                                 int64_t *partials, unsigned grid);
+static void exact_reduce_final(const int64_t *partials, int n, int64_t *out);
 
 /* Emulate kernel k; ILLEGAL_ADDRESS when it would touch memory outside every allocation. */
 static CUresult emulate(int k, unsigned char (*p)[8], unsigned grid) {
@@ -594,34 +593,22 @@ static CUresult emulate(int k, unsigned char (*p)[8], unsigned grid) {
         int64_t base = (int64_t)u64(p[0]), stride = (int64_t)u64(p[1]), nbytes = (int64_t)u64(p[2]);
         const int32_t *blocks = (const int32_t *)(uintptr_t)u64(p[3]);
         int n = i32(p[4]);
-        double *partials = (double *)(uintptr_t)u64(p[5]);
+        int64_t *partials = (int64_t *)(uintptr_t)u64(p[5]);
         if (!device_range_ok((CUdeviceptr)(uintptr_t)blocks, 4 * (size_t)n) ||
-            !device_range_ok((CUdeviceptr)(uintptr_t)partials, 24 * (size_t)grid))
+            !device_range_ok((CUdeviceptr)(uintptr_t)partials, 8 * EXACT_RESULT_WORDS * (size_t)grid))
             return ILLEGAL_ADDRESS;
-        for (unsigned c = 0; c < grid; c++) {
-            double s = 0, q = 0, a = 0;
-            for (int i = (int)c; i < n; i += (int)grid) {
-                CUdeviceptr at = base + (int64_t)blocks[i] * stride;
-                if (!device_range_ok(at, nbytes)) return ILLEGAL_ADDRESS;
-                const uint16_t *v = (const uint16_t *)(uintptr_t)at;
-                for (int64_t j = 0; j < nbytes / 2; j++) {
-                    double x = bf16(v[j]);
-                    s += x; q += x * x; a += x < 0 ? -x : x;
-                }
-            }
-            partials[3 * c] = s; partials[3 * c + 1] = q; partials[3 * c + 2] = a;
-        }
+        for (int i = 0; i < n; i++)
+            if (!device_range_ok(base + (int64_t)blocks[i] * stride, nbytes)) return ILLEGAL_ADDRESS;
+        exact_reduce_partial(base, stride, nbytes, blocks, n, partials, grid);
         return SUCCESS;
     }
-    const double *partials = (const double *)(uintptr_t)u64(p[0]);
+    const int64_t *partials = (const int64_t *)(uintptr_t)u64(p[0]);
     int n = i32(p[1]);
-    double *out = (double *)(uintptr_t)u64(p[2]);
-    if (!device_range_ok((CUdeviceptr)(uintptr_t)partials, 24 * (size_t)n) ||
-        !device_range_ok((CUdeviceptr)(uintptr_t)out, 24))
+    int64_t *out = (int64_t *)(uintptr_t)u64(p[2]);
+    if (!device_range_ok((CUdeviceptr)(uintptr_t)partials, 8 * EXACT_RESULT_WORDS * (size_t)n) ||
+        !device_range_ok((CUdeviceptr)(uintptr_t)out, 8 * EXACT_RESULT_WORDS))
         return ILLEGAL_ADDRESS;
-    double s = 0, q = 0, a = 0;
-    for (int i = 0; i < n; i++) { s += partials[3 * i]; q += partials[3 * i + 1]; a += partials[3 * i + 2]; }
-    out[0] = s; out[1] = q; out[2] = a;
+    exact_reduce_final(partials, n, out);
     return SUCCESS;
 }
 
@@ -667,10 +654,12 @@ static const struct { const char *name; void *fn; } ENTRY_POINTS[] = {
 };
 #define NENTRY (sizeof(ENTRY_POINTS) / sizeof(ENTRY_POINTS[0]))
 
+static void *driver_additions_lookup(const char *symbol);
+
 static void *lookup(const char *symbol) {
     for (size_t i = 0; i < NENTRY; i++)
         if (strcmp(ENTRY_POINTS[i].name, symbol) == 0) return ENTRY_POINTS[i].fn;
-    return NULL;
+    return driver_additions_lookup(symbol);
 }
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
@@ -692,4 +681,97 @@ CUresult cuGetExportTable(const void **table, const void *id) {
     ENTER("cuGetExportTable");
     if (table) *table = NULL;
     return NOT_SUPPORTED;
+}
+
+/* ---- DRIVER additions ---------------------------------------------------------------- */
+/* Entry points and emulations the DRIVER work needs; everything above stays as it was,
+ * but for the two forward declarations the emulation and lookup() call into. */
+
+static int occupancy_per_sm = 8;
+
+void stub_set_occupancy(int per_sm) { occupancy_per_sm = per_sm; }
+
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *num_blocks, CUfunction f, int block_size, size_t smem) {
+    ENTER("cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    NEED_CTX();
+    if (!num_blocks || !f || block_size <= 0 || block_size > 1024) return INVALID_VALUE;
+    (void)smem;
+    *num_blocks = occupancy_per_sm;
+    return SUCCESS;
+}
+
+/* Exact BF16 sums as pagedkv/exact_sum.py defines them: 32-bit digits in int64 words,
+ * sum (9 digits, units 2^-133), sum of |x| (9), sum of squares (17, units 2^-266), flags. */
+#define EX_SUM_DIGITS 9
+#define EX_SSQ_DIGITS 17
+#define EX_SUM 0
+#define EX_SABS EX_SUM_DIGITS
+#define EX_SSQ (2 * EX_SUM_DIGITS)
+#define EX_FLAGS (2 * EX_SUM_DIGITS + EX_SSQ_DIGITS)
+
+static void ex_carry(int64_t *d, int n) {
+    for (int i = 0; i + 1 < n; i++) {
+        int64_t c = d[i] >> 32;
+        d[i] -= c * 4294967296LL;
+        d[i + 1] += c;
+    }
+}
+
+static void ex_normalize(int64_t *d) {
+    ex_carry(d + EX_SUM, EX_SUM_DIGITS);
+    ex_carry(d + EX_SABS, EX_SUM_DIGITS);
+    ex_carry(d + EX_SSQ, EX_SSQ_DIGITS);
+}
+
+static void ex_add(int64_t *d, uint16_t bits) {
+    uint32_t e = (bits >> 7) & 0xFF, f = bits & 0x7F;
+    if (e == 0xFF) { d[EX_FLAGS] |= f ? 1 : ((bits & 0x8000) ? 4 : 2); return; }
+    uint32_t m = e ? (f | 0x80) : f, s = e ? e - 1 : 0;
+    if (!m) return;
+    uint64_t v = (uint64_t)m << (s & 31), q = (uint64_t)(m * m) << ((2 * s) & 31);
+    int dv = (int)(s >> 5), dq = (int)((2 * s) >> 5);
+    int64_t lo = (int64_t)(v & 0xFFFFFFFFu), hi = (int64_t)(v >> 32);
+    int64_t sign = (bits & 0x8000) ? -1 : 1;
+    d[EX_SUM + dv] += sign * lo; d[EX_SUM + dv + 1] += sign * hi;
+    d[EX_SABS + dv] += lo; d[EX_SABS + dv + 1] += hi;
+    d[EX_SSQ + dq] += (int64_t)(q & 0xFFFFFFFFu); d[EX_SSQ + dq + 1] += (int64_t)(q >> 32);
+}
+
+static void exact_reduce_partial(int64_t base, int64_t stride, int64_t nbytes, const int32_t *blocks, int n,
+                                 int64_t *partials, unsigned grid) {
+    for (unsigned c = 0; c < grid; c++) {
+        int64_t *d = partials + (size_t)EXACT_RESULT_WORDS * c;
+        memset(d, 0, 8 * EXACT_RESULT_WORDS);
+        long added = 0;
+        for (int i = (int)c; i < n; i += (int)grid) {
+            const uint16_t *v = (const uint16_t *)(uintptr_t)(base + (int64_t)blocks[i] * stride);
+            for (int64_t j = 0; j < nbytes / 2; j++) {
+                uint16_t bits;
+                memcpy(&bits, v + j, 2);
+                ex_add(d, bits);
+                if (++added == (1L << 30)) { ex_normalize(d); added = 0; }
+            }
+        }
+        ex_normalize(d);
+    }
+}
+
+static void exact_reduce_final(const int64_t *partials, int n, int64_t *out) {
+    int64_t d[EXACT_RESULT_WORDS] = {0};
+    for (int p = 0; p < n; p++) {
+        for (int j = 0; j < EX_FLAGS; j++) d[j] += partials[(size_t)EXACT_RESULT_WORDS * p + j];
+        d[EX_FLAGS] |= partials[(size_t)EXACT_RESULT_WORDS * p + EX_FLAGS];
+        ex_normalize(d);
+    }
+    memcpy(out, d, sizeof(d));
+}
+
+static const struct { const char *name; void *fn; } DRIVER_ENTRY_POINTS[] = {
+    {"cuOccupancyMaxActiveBlocksPerMultiprocessor", (void *)cuOccupancyMaxActiveBlocksPerMultiprocessor},
+};
+
+static void *driver_additions_lookup(const char *symbol) {
+    for (size_t i = 0; i < sizeof(DRIVER_ENTRY_POINTS) / sizeof(DRIVER_ENTRY_POINTS[0]); i++)
+        if (strcmp(DRIVER_ENTRY_POINTS[i].name, symbol) == 0) return DRIVER_ENTRY_POINTS[i].fn;
+    return NULL;
 }
