@@ -242,3 +242,47 @@ def test_modules_keep_their_cubin_alive(stub_env):
                 assert isinstance(m.cubin, bytes) and m.cubin[:4] == b"\\x7fELF"
                 assert sys.getrefcount(m.cubin) >= 2
     ''')
+
+
+def test_gpu_bench_counts_copy_traffic_as_read_plus_write(stub_env):
+    """The copy ceiling used to count 1 GiB for the 2 GiB a 1 GiB copy moves, so the fill
+    and checksum floors passed at about 35% of bandwidth. Over the stub (figures are host
+    memcpy's, not judged): the ceiling and the copy count read + write, and each kernel has
+    its floor against the measured bandwidth (fill 0.8, copy and checksum 0.75)."""
+    import sys
+
+    from test_driver_stub import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(REPO_ROOT / "tools"))
+    assert bench_gpu.copy_traffic(1 << 30) == 2 << 30
+    assert bench_gpu.FLOORS_OF_BANDWIDTH == {"fill": 0.80, "copy": 0.75, "checksum": 0.75}
+    assert bench_gpu.FILL_RATIO_FLOOR == 50.0 and bench_gpu.FILL_BLOCKS == 256
+    out = run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
+        import argparse
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        sys.path.insert(0, %r)
+        import bench_gpu
+        bench_gpu.GIB, bench_gpu.FILL_BLOCKS, bench_gpu.COPY_PAIRS = 32 << 20, 4, 4
+        try:
+            bench_gpu.run(argparse.Namespace(quick=True))
+        except SystemExit as stop:
+            assert stop.code == 1
+    ''' % str(REPO_ROOT / "tools"))
+    assert "DRAM (read + write: 0.0625 GiB moved)" in out
+    assert "GB/s DRAM (read + write)" in out
+    for line in (
+        "floor   batched fill vs per-layer memset loop at 4 blocks:",
+        "needs >= 50x",
+        "floor   fill vs measured DRAM bandwidth:",
+        "needs >= 0.8x",
+        "floor   copy vs measured DRAM bandwidth:",
+        "floor   checksum vs measured DRAM bandwidth:",
+        "needs >= 0.75x",
+    ):
+        assert line in out, (line, out)
