@@ -399,9 +399,9 @@ def test_reduce_launches_partial_then_final_and_matches_host(stub_env):
             assert int32_at(u64(pp[3]), len(blocks)) == blocks and i32(pp[4]) == len(blocks)
             assert list(final.grid) == [1, 1, 1] and list(final.block) == [256, 1, 1]
             assert u64(fp[0]) == u64(pp[5]) and i32(fp[1]) == grid
-            assert u64(fp[2]) >= u64(pp[5]) + 24 * grid, "the result does not overlap the partials"
+            assert u64(fp[2]) >= u64(pp[5]) + 8 * 36 * grid, "the result does not overlap the partials"
             want = host.reduce_bf16_blocks(hregions, 0, blocks, 0)
-            assert np.allclose(got, want, rtol=1e-12, atol=0), (got, want)
+            assert got == want, (got, want)  # exact checksums: identical on every backend
             assert gpu.reduce_bf16_blocks(regions, 0, [], 0) == (0.0, 0.0, 0.0)
             assert STUB.stub_launch_count() == before + 2
             for bad in (1, -1):
