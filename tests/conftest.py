@@ -33,6 +33,15 @@ def cuda_session():
     backend.close()
 
 
+@pytest.fixture(scope="session")
+def stub_env(tmp_path_factory):
+    """Environment for a subprocess that loads the libcuda stub with the kernel harness
+    libraries of pagedkv/nvrtc_src (built once per session; see tests/kernel_harness)."""
+    from kernel_harness.stub import make_stub_env
+
+    return make_stub_env(tmp_path_factory.mktemp("stub_libcuda"), tmp_path_factory.mktemp("kernel_cache"))
+
+
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])
 def gpu(request):
     """The backend under test: HostBackend always, CudaBackend where a GPU is present."""

@@ -1,12 +1,12 @@
 """CudaBackend defects found by reading the driver (issue 9), each proved over the libcuda
-stub (tests/stub_libcuda): the stub checks contexts, handles and address ranges and
-emulates the kernels on the host (the reduction as the exact digits the kernel writes).
-It proves the Python side only; the kernels' own code needs the CPU kernel harness or a GPU.
+stub (tests/stub_libcuda) with the kernel harness: the stub checks contexts, handles and
+address ranges, queues work per stream, and runs the real kernel sources on the CPU (no
+memory model, no concurrency between CTAs, no timing: see tests/kernel_harness).
 """
 
 from __future__ import annotations
 
-from test_driver_stub import run_on_stub, stub_env  # noqa: F401 - stub_env is a fixture
+from kernel_harness.stub import REPO_ROOT, run_on_stub
 
 
 def test_another_library_switching_context_does_not_redirect_calls(stub_env):
@@ -250,8 +250,6 @@ def test_gpu_bench_counts_copy_traffic_as_read_plus_write(stub_env):
     memcpy's, not judged): the ceiling and the copy count read + write, and each kernel has
     its floor against the measured bandwidth (fill 0.8, copy and checksum 0.75)."""
     import sys
-
-    from test_driver_stub import REPO_ROOT
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     try:

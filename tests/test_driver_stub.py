@@ -1,107 +1,26 @@
 """CudaBackend against a host-memory libcuda.so.1 (tests/stub_libcuda/stub_libcuda.c).
 
-What this proves: the Python side of the driver layer. Every CudaBackend call goes
-through cuda-bindings into a real shared library that checks handles, contexts and
-address ranges, records each kernel launch's parameters byte for byte (asserted here
-field by field), emulates the four kernels on the host, and returns any status we
-inject, so each error path and its CudaError can be checked. What it does NOT prove: the
-GPU. The kernels' device code, real asynchrony and bandwidth are covered only by the
-`cuda`-marked tests (test_cuda_gpu.py) on a machine with an NVIDIA GPU.
+What this proves: the Python side of the driver layer, and the kernels' code run on
+the CPU. Every CudaBackend call goes through cuda-bindings into a real shared library
+that checks handles, contexts and address ranges, records each kernel launch's
+parameters byte for byte (asserted here field by field), queues async work per stream
+until the host waits for it, runs the real kernel sources through the kernel harness
+(tests/kernel_harness: one fiber per CUDA thread, CTAs one at a time), and returns any
+status we inject, so each error path and its CudaError can be checked. What it does NOT
+prove: the GPU's memory model, concurrency between CTAs, timing and bandwidth; those are
+covered only by the `cuda`-marked tests (test_cuda_gpu.py) on a machine with an NVIDIA
+GPU.
 
-The stub is built with the machine's C compiler into a temporary directory and loaded
-in a subprocess (LD_LIBRARY_PATH) before any driver call, so this pytest process never
-loads a libcuda.
+The stub and the kernel libraries are built with the machine's compilers into a
+temporary directory once per session and loaded in a subprocess (LD_LIBRARY_PATH) before
+any driver call, so this pytest process never loads a libcuda.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
-import pytest
-
-STUB_SOURCE = Path(__file__).parent / "stub_libcuda" / "stub_libcuda.c"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-PRELUDE = '''
-import ctypes, struct, sys, threading
-import numpy as np
-STUB = ctypes.CDLL("libcuda.so.1")  # the same handle cuda-bindings will resolve
-STUB.stub_call_count.restype = ctypes.c_long
-STUB.stub_launch_count.restype = ctypes.c_long
-STUB.stub_set_total_mem.argtypes = [ctypes.c_size_t]
-
-class LaunchRecord(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char * 48), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared", ctypes.c_uint), ("stream", ctypes.c_uint64), ("nparams", ctypes.c_int),
-                ("sizes", ctypes.c_int * 8), ("params", (ctypes.c_uint8 * 8) * 8)]
-
-def calls(name):
-    return STUB.stub_call_count(name.encode())
-
-def launch(i):
-    """Launch record i (negative counts from the last) as (record, [param bytes...])."""
-    if i < 0:
-        i += STUB.stub_launch_count()
-    rec = LaunchRecord()
-    assert STUB.stub_launch_get(ctypes.c_long(i), ctypes.byref(rec)) == 0, i
-    return rec, [bytes(rec.params[k])[: rec.sizes[k]] for k in range(rec.nparams)]
-
-def u64(b): return struct.unpack("<Q", b)[0]
-def i64(b): return struct.unpack("<q", b)[0]
-def i32(b): return struct.unpack("<i", b)[0]
-def u32(b): return struct.unpack("<I", b)[0]
-
-def int32_at(address, n):
-    """n int32 values at a stub 'device' address (stub device memory is host memory)."""
-    return np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(address)).tolist()
-
-def int64_at(address, n):
-    return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(address)).tolist()
-'''
-
-
-@pytest.fixture(scope="session")
-def stub_env(tmp_path_factory):
-    """Environment for a subprocess that loads the stub libcuda (built once per session)."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler on this machine to build the libcuda stub")
-    out = tmp_path_factory.mktemp("stub_libcuda")
-    lib = out / "libcuda.so.1"
-    build = subprocess.run(
-        [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wl,-soname,libcuda.so.1",
-         "-o", str(lib), str(STUB_SOURCE), "-lpthread"],
-        capture_output=True, text=True,
-    )
-    if build.returncode != 0:
-        pytest.fail(f"building the libcuda stub with {cc} failed:\n{build.stderr}")
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(out), env.get("LD_LIBRARY_PATH")]))
-    env["PAGEDKV_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel_cache"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    # fill the kernel cache once, so each test's driver calls are its own (NVRTC itself
-    # loads libcuda and calls cuInit when it compiles)
-    subprocess.run(
-        [sys.executable, "-c", "from pagedkv.driver import nvrtc\n"
-         "for p in nvrtc.kernel_sources(): nvrtc.compile_cached(p, 'sm_90')"],
-        env=env, check=True, capture_output=True, timeout=120,
-    )
-    return env
-
-
-def run_on_stub(env: dict, body: str) -> str:
-    """Run PRELUDE + `body` in a fresh interpreter over the stub; fail with its output."""
-    script = PRELUDE + textwrap.dedent(body)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        pytest.fail(f"stub subprocess failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc.stdout
-
+from kernel_harness.stub import REPO_ROOT, run_on_stub
 
 def test_importing_pagedkv_touches_no_driver(stub_env):
     run_on_stub(stub_env, '''
@@ -304,12 +223,16 @@ def test_fill_launch_packs_every_field(stub_env):
             assert rec.stream == stream
             assert u64(p[0]) == int(regions.device_table)
             assert i32(p[1]) == 3
+            assert STUB.stub_pending_work() >= 2, "the index upload and the launch wait in the stream's queue"
+            gpu.synchronize(stream)  # the indices reach the staging buffer when the stream runs
+            assert STUB.stub_pending_work() == 0
             assert int32_at(u64(p[2]), 3) == blocks
             assert i32(p[3]) == 3
             assert u32(p[4]) == 0xAB
             gpu.fill_blocks(regions, [1, 2, 3, 4, 6], 0, 0)
             rec, p = launch(-1)
             assert list(rec.grid) == [min(3 * 5, 2 * 16), 1, 1] and rec.stream == 1  # CU_STREAM_LEGACY
+            gpu.synchronize(0)
             assert int32_at(u64(p[2]), 5) == [1, 2, 3, 4, 6] and i32(p[3]) == 5 and u32(p[4]) == 0
             assert calls("cuMemcpyHtoD") == uploads, "the region table is uploaded once, not per launch"
             hregions = host.create_block_regions(host_rows)
@@ -350,6 +273,7 @@ def test_copy_launch_packs_every_field(stub_env):
             gpu.copy_blocks(regions, src, dst, 0)
             host.copy_blocks(hregions, src, dst, 0)
             rec, p = launch(-1)
+            gpu.synchronize(0)
             assert rec.name == b"pagedkv_copy_blocks"
             assert list(rec.grid) == [6, 1, 1] and list(rec.block) == [256, 1, 1] and rec.stream == 1  # CU_STREAM_LEGACY
             assert u64(p[0]) == int(regions.device_table) and i32(p[1]) == 2

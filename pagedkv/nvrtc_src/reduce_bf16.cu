@@ -92,22 +92,33 @@ __device__ __forceinline__ void add_word(Acc& a, u32 w) {
     add_bits(a, w >> 16);
 }
 
+#define WORDS_PER_ROUND 12  // RESULT_WORDS (36) in three rounds of a shared tree
+#if RESULT_WORDS % WORDS_PER_ROUND
+#error "RESULT_WORDS must be a multiple of WORDS_PER_ROUND"
+#endif
+
 // Sum every thread's words over the CTA (flags OR-ed); thread 0 writes them to `out`.
 // The caller normalised each thread's digits (< 2^32 but the signed top), so the CTA's
 // sums stay far inside int64.
 __device__ void cta_write(const Acc& a, i64* __restrict__ out) {
-    __shared__ i64 sh[REDUCE_THREADS];
-    for (int j = 0; j < RESULT_WORDS; j++) {
-        sh[threadIdx.x] = j < FLAGS_AT ? a.d[j] : (i64)a.flags;
+    __shared__ i64 sh[WORDS_PER_ROUND][REDUCE_THREADS];
+    for (int first = 0; first < RESULT_WORDS; first += WORDS_PER_ROUND) {
+#pragma unroll
+        for (int j = 0; j < WORDS_PER_ROUND; j++)
+            sh[j][threadIdx.x] = first + j < FLAGS_AT ? a.d[first + j] : (i64)a.flags;
         __syncthreads();
         for (int half = REDUCE_THREADS / 2; half > 0; half >>= 1) {
             if (threadIdx.x < half) {
-                if (j < FLAGS_AT) sh[threadIdx.x] += sh[threadIdx.x + half];
-                else sh[threadIdx.x] |= sh[threadIdx.x + half];
+#pragma unroll
+                for (int j = 0; j < WORDS_PER_ROUND; j++) {
+                    if (first + j < FLAGS_AT) sh[j][threadIdx.x] += sh[j][threadIdx.x + half];
+                    else sh[j][threadIdx.x] |= sh[j][threadIdx.x + half];
+                }
             }
             __syncthreads();
         }
-        if (threadIdx.x == 0) out[j] = sh[0];
+        if (threadIdx.x == 0)
+            for (int j = 0; j < WORDS_PER_ROUND; j++) out[first + j] = sh[j][0];
         __syncthreads();
     }
 }

@@ -2,16 +2,22 @@
  * A host-memory stand-in for libcuda.so.1, written for pagedkv's CPU tests.
  *
  * It proves the Python side of the driver layer (argument passing, handle bookkeeping,
- * error mapping, kernel-argument packing), never the GPU: "device" memory is malloc'd
- * host memory, streams and events are host structs, and the four pagedkv kernels are
- * emulated on the host from their recorded parameters. cuda-bindings resolves every
- * entry point through cuGetProcAddress(_v2), so that is the one lookup implemented.
+ * error mapping, kernel-argument packing, stream ordering) and, through the kernel
+ * harness (tests/kernel_harness), runs the real kernel sources on the CPU: "device"
+ * memory is malloc'd host memory, streams are queues of work that runs when the host
+ * waits for it, and cuLaunchKernel queues the harness's compiled kernel with a copy of
+ * its arguments. It is no GPU: no memory model, no concurrency between CTAs, no timing.
+ * cuda-bindings resolves every entry point through cuGetProcAddress(_v2), so that is the
+ * one lookup implemented (with the per-thread-default-stream variants).
  *
  * Test controls (stub_*) record each launch's parameters byte for byte, count calls per
- * entry point, inject a failure status into the next call of a named entry point, and
- * report what is still live.
+ * entry point, inject a failure status into the next call of a named entry point, report
+ * what is still live and the last fault of queued work. PAGEDKV_STUB_SMS sets the SM
+ * count, PAGEDKV_HARNESS_LIBS lists the kernel libraries, PAGEDKV_HARNESS_ORDER the CTA
+ * order (ascending, descending, random:SEED).
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,7 +33,8 @@ typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 enum {
     SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
     INVALID_DEVICE = 101, INVALID_IMAGE = 200, INVALID_CONTEXT = 201, INVALID_HANDLE = 400,
-    NOT_FOUND = 500, NOT_READY = 600, ILLEGAL_ADDRESS = 700, LAUNCH_FAILED = 719, NOT_SUPPORTED = 801,
+    NOT_FOUND = 500, NOT_READY = 600, ILLEGAL_ADDRESS = 700, MISALIGNED_ADDRESS = 716, LAUNCH_FAILED = 719,
+    NOT_SUPPORTED = 801,
 };
 
 /* ---- status names ------------------------------------------------------------------- */
@@ -45,6 +52,7 @@ static const struct { int code; const char *name, *text; } STATUS[] = {
     {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {MISALIGNED_ADDRESS, "CUDA_ERROR_MISALIGNED_ADDRESS", "misaligned address"},
     {LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
 };
@@ -108,7 +116,7 @@ void stub_fail_next(const char *name, int status) {
 
 /* ---- driver, device, context ---------------------------------------------------------- */
 
-static int initialised, init_status, device_count = 1, sm_count = 4, cc_major = 9, cc_minor = 0;
+static int initialised, init_status, device_count = 1, sm_count = -1, cc_major = 9, cc_minor = 0;
 static size_t total_mem = (size_t)1 << 30, used_mem;
 static int primary_refs;
 static char primary_ctx_storage;
@@ -136,7 +144,11 @@ CUresult cuDriverGetVersion(int *version) {
 }
 
 #define NEED_INIT() do { if (!initialised) return NOT_INITIALIZED; } while (0)
-#define NEED_CTX() do { NEED_INIT(); if (current_ctx != &primary_ctx_storage || primary_refs <= 0) return INVALID_CONTEXT; } while (0)
+static int sticky_status; /* a fault of queued work: every later call returns it */
+static void reset_device(void);
+static int drain_all(void);
+#define NEED_CTX() do { NEED_INIT(); if (current_ctx != &primary_ctx_storage || primary_refs <= 0) return INVALID_CONTEXT; \
+                        if (sticky_status) return sticky_status; } while (0)
 
 CUresult cuDeviceGetCount(int *count) {
     ENTER("cuDeviceGetCount");
@@ -166,7 +178,10 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     NEED_INIT();
     if (dev < 0 || dev >= device_count) return INVALID_DEVICE;
     switch (attribute) {
-    case 16: *value = sm_count; return SUCCESS;
+    case 16:
+        if (sm_count < 0) { const char *env = getenv("PAGEDKV_STUB_SMS"); sm_count = env ? atoi(env) : 4; }
+        *value = sm_count;
+        return SUCCESS;
     case 75: *value = cc_major; return SUCCESS;
     case 76: *value = cc_minor; return SUCCESS;
     default: return INVALID_VALUE;
@@ -188,6 +203,7 @@ CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
     if (dev < 0 || dev >= device_count) return INVALID_DEVICE;
     if (primary_refs <= 0) return INVALID_CONTEXT;
     primary_refs--;
+    if (primary_refs == 0 && sticky_status) reset_device(); /* the context is destroyed */
     return SUCCESS;
 }
 
@@ -206,11 +222,6 @@ CUresult cuCtxGetCurrent(CUcontext *ctx) {
     return SUCCESS;
 }
 
-CUresult cuCtxSynchronize(void) {
-    ENTER("cuCtxSynchronize");
-    NEED_CTX();
-    return SUCCESS;
-}
 
 /* ---- device memory: malloc'd host memory, every range checked ---------------------------- */
 
@@ -246,6 +257,8 @@ CUresult cuMemAlloc(CUdeviceptr *dptr, size_t size) {
 CUresult cuMemFree(CUdeviceptr dptr) {
     ENTER("cuMemFree");
     NEED_CTX();
+    int st = drain_all(); /* like the driver, freeing waits for the device */
+    if (st) return st;
     for (int i = 0; i < nallocs; i++) {
         if (allocs[i].base == dptr) {
             used_mem -= allocs[i].size;
@@ -285,6 +298,8 @@ CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
 CUresult cuMemFreeHost(void *p) {
     ENTER("cuMemFreeHost");
     NEED_CTX();
+    int st = drain_all();
+    if (st) return st;
     for (int i = 0; i < nhost; i++) {
         if (host_allocs[i] == p) {
             free(p);
@@ -295,57 +310,288 @@ CUresult cuMemFreeHost(void *p) {
     return INVALID_VALUE;
 }
 
-/* ---- streams and events ------------------------------------------------------------------ */
+/* ---- stream queues: async work runs when something waits for it --------------------------
+ *
+ * Launches, async copies, memsets and event records are queued on their stream and run
+ * only when the host waits for them (cuStreamSynchronize, cuEventSynchronize,
+ * cuCtxSynchronize, a synchronous copy, cuMemFree) or when queued work that is waited for
+ * depends on them. Ordering follows the driver's rules: each stream is FIFO; work on the
+ * legacy default stream waits for all earlier work of every blocking stream, and work on
+ * a blocking stream waits for earlier legacy work; CU_STREAM_NON_BLOCKING streams do
+ * neither; cuStreamWaitEvent makes later work wait for the event's work. A fault during
+ * queued work is sticky: that wait and every later call return it, until the primary
+ * context's last release resets the device.
+ */
 
 #define MAX_HANDLES 256
-static void *streams[MAX_HANDLES], *events[MAX_HANDLES];
-static int nstreams, nevents;
+#define MAX_PARAMS 32
 
-int stub_live_streams(void) { return nstreams; }
-int stub_live_events(void) { return nevents; }
+typedef struct Op Op;
+typedef struct Stream {
+    int blocking;      /* syncs with the legacy stream */
+    Op *head, *tail;   /* pending work, FIFO */
+    uint64_t last_seq; /* sequence number of the last work enqueued */
+} Stream;
+
+typedef struct Event {
+    Stream *stream;
+    uint64_t seq;      /* its record's work item; 0: never recorded */
+    int done;
+    double when_ms;
+} Event;
+
+typedef struct Function Function;
+
+enum { OP_LAUNCH, OP_MEMSET, OP_COPY, OP_EVENT, OP_WAIT };
+
+typedef struct Dep { Stream *stream; uint64_t seq; } Dep;
+
+struct Op {
+    int kind;
+    uint64_t seq;
+    Op *next;
+    int ndeps;
+    Dep *deps;
+    /* OP_LAUNCH */
+    Function *fn;
+    unsigned grid[3], block[3];
+    unsigned char *param_bytes;
+    void *params[MAX_PARAMS];
+    /* OP_MEMSET, OP_COPY */
+    void *dst;
+    const void *src;
+    size_t n;
+    int value;
+    /* OP_EVENT */
+    Event *event;
+};
+
+static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
+static Stream legacy_stream = {1, NULL, NULL, 0};
+static Stream *queues[2 * MAX_HANDLES]; /* created streams and per-thread default streams */
+static int nqueues;
+static uint64_t next_seq;
+static char fault_message[512];
+static __thread Stream *thread_stream; /* this thread's per-thread default stream */
+static __thread int ptds_api;          /* inside a _ptds/_ptsz entry point */
+
+/* The last fault of queued work ("" when none) and its status (0 when none). */
+const char *stub_fault_message(void) { return fault_message; }
+int stub_sticky_status(void) { return sticky_status; }
+
+
+static Stream *per_thread_stream(void) {
+    if (!thread_stream) {
+        thread_stream = calloc(1, sizeof(Stream));
+        thread_stream->blocking = 1;
+        queues[nqueues++] = thread_stream;
+    }
+    return thread_stream;
+}
+
+static void *stream_handles[MAX_HANDLES];
+static int nstreams;
 
 static int find_handle(void **table, int n, void *h) {
     for (int i = 0; i < n; i++) if (table[i] == h) return i;
     return -1;
 }
 
-/* 0 (legacy), 1 (CU_STREAM_LEGACY), 2 (CU_STREAM_PER_THREAD) or a live stream. */
-static int stream_ok(CUstream s) {
-    return (uintptr_t)s <= 2 || find_handle(streams, nstreams, s) >= 0;
+/* The queue of a stream handle: 0 (legacy, or the per-thread stream inside a _ptds entry
+ * point), 1 (CU_STREAM_LEGACY), 2 (CU_STREAM_PER_THREAD) or a live stream; NULL if none. */
+static Stream *queue_of(CUstream s) {
+    uintptr_t h = (uintptr_t)s;
+    if (h == 0) return ptds_api ? per_thread_stream() : &legacy_stream;
+    if (h == 1) return &legacy_stream;
+    if (h == 2) return per_thread_stream();
+    return find_handle(stream_handles, nstreams, s) >= 0 ? (Stream *)s : NULL;
 }
 
-CUresult cuStreamCreate(CUstream *s, unsigned flags) {
-    ENTER("cuStreamCreate");
-    NEED_CTX();
-    if (!s || flags > 1 || nstreams == MAX_HANDLES) return INVALID_VALUE;
-    *s = malloc(16);
-    streams[nstreams++] = *s;
-    return SUCCESS;
+static int stream_ok(CUstream s) { return queue_of(s) != NULL; }
+
+static void add_dep(Op *op, Stream *s, uint64_t seq) {
+    op->deps = realloc(op->deps, sizeof(Dep) * (size_t)(op->ndeps + 1));
+    op->deps[op->ndeps].stream = s;
+    op->deps[op->ndeps].seq = seq;
+    op->ndeps++;
 }
 
-CUresult cuStreamDestroy(CUstream s) {
-    ENTER("cuStreamDestroy");
-    NEED_CTX();
-    int i = find_handle(streams, nstreams, s);
-    if (i < 0) return INVALID_HANDLE;
-    free(s);
-    streams[i] = streams[--nstreams];
-    return SUCCESS;
+/* Append `op` to `s` with the legacy/blocking dependencies it has at this point. */
+static void enqueue(Stream *s, Op *op) {
+    op->seq = ++next_seq;
+    if (s == &legacy_stream) {
+        for (int i = 0; i < nqueues; i++)
+            if (queues[i]->blocking && queues[i]->head) add_dep(op, queues[i], queues[i]->last_seq);
+    } else if (s->blocking && legacy_stream.head) {
+        add_dep(op, &legacy_stream, legacy_stream.last_seq);
+    }
+    if (s->tail) s->tail->next = op; else s->head = op;
+    s->tail = op;
+    s->last_seq = op->seq;
 }
 
-CUresult cuStreamSynchronize(CUstream s) {
-    ENTER("cuStreamSynchronize");
-    NEED_CTX();
-    return stream_ok(s) ? SUCCESS : INVALID_HANDLE;
+static Op *new_op(int kind) {
+    Op *op = calloc(1, sizeof(Op));
+    op->kind = kind;
+    return op;
 }
-
-typedef struct { int recorded; double when_ms; } Event;
 
 static double now_ms(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
+
+static int execute_launch(Op *op);
+
+static int execute(Op *op) {
+    switch (op->kind) {
+    case OP_LAUNCH: return execute_launch(op);
+    case OP_MEMSET: memset(op->dst, op->value, op->n); return SUCCESS;
+    case OP_COPY: memmove(op->dst, op->src, op->n); return SUCCESS;
+    case OP_EVENT:
+        if (op->event && op->event->seq == op->seq) { op->event->done = 1; op->event->when_ms = now_ms(); }
+        return SUCCESS;
+    default: return SUCCESS; /* OP_WAIT: its dependency has run */
+    }
+}
+
+static void free_op(Op *op) {
+    free(op->deps);
+    free(op->param_bytes);
+    free(op);
+}
+
+/* Run the work of `s` up to sequence number `seq` (and what it depends on). */
+static int run_until(Stream *s, uint64_t seq) {
+    while (s->head && s->head->seq <= seq) {
+        if (sticky_status) return sticky_status;
+        Op *op = s->head;
+        for (int i = 0; i < op->ndeps; i++) {
+            int st = run_until(op->deps[i].stream, op->deps[i].seq);
+            if (st) return st;
+        }
+        int st = execute(op);
+        s->head = op->next;
+        if (!s->head) s->tail = NULL;
+        free_op(op);
+        if (st) { sticky_status = st; return st; }
+    }
+    return sticky_status;
+}
+
+static int run_all(void) {
+    int st = run_until(&legacy_stream, UINT64_MAX);
+    for (int i = 0; i < nqueues && !st; i++) st = run_until(queues[i], UINT64_MAX);
+    return st;
+}
+
+static int drain_all(void) {
+    pthread_mutex_lock(&queue_lock);
+    int st = run_all();
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+/* A synchronous operation on the legacy stream (or the per-thread one in a _ptds entry
+ * point): everything it is ordered after has run when this returns 0. */
+static int run_before_sync_op(void) {
+    Stream *s = ptds_api ? per_thread_stream() : &legacy_stream;
+    Op *op = new_op(OP_WAIT);
+    enqueue(s, op);
+    return run_until(s, op->seq);
+}
+
+/* Drop every queue and the sticky error: the device was reset. */
+static void reset_queues(void) {
+    Stream *all[2 * MAX_HANDLES + 1];
+    int n = 0;
+    all[n++] = &legacy_stream;
+    for (int i = 0; i < nqueues; i++) all[n++] = queues[i];
+    for (int i = 0; i < n; i++) {
+        while (all[i]->head) { Op *op = all[i]->head; all[i]->head = op->next; free_op(op); }
+        all[i]->tail = NULL;
+    }
+    sticky_status = 0;
+}
+
+CUresult cuCtxSynchronize(void) {
+    ENTER("cuCtxSynchronize");
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    int st = run_all();
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+/* ---- streams and events ------------------------------------------------------------------ */
+
+static void *events[MAX_HANDLES];
+static int nevents;
+
+int stub_live_streams(void) { return nstreams; }
+int stub_live_events(void) { return nevents; }
+
+/* Work queued and not yet run, on every stream. */
+int stub_pending_work(void) {
+    pthread_mutex_lock(&queue_lock);
+    int n = 0;
+    for (Op *op = legacy_stream.head; op; op = op->next) n++;
+    for (int i = 0; i < nqueues; i++) for (Op *op = queues[i]->head; op; op = op->next) n++;
+    pthread_mutex_unlock(&queue_lock);
+    return n;
+}
+
+CUresult cuStreamCreate(CUstream *s, unsigned flags) {
+    ENTER("cuStreamCreate");
+    NEED_CTX();
+    if (!s || flags > 1 || nstreams == MAX_HANDLES) return INVALID_VALUE;
+    Stream *q = calloc(1, sizeof(Stream));
+    q->blocking = flags == 0;
+    pthread_mutex_lock(&queue_lock);
+    stream_handles[nstreams++] = q;
+    queues[nqueues++] = q;
+    pthread_mutex_unlock(&queue_lock);
+    *s = q;
+    return SUCCESS;
+}
+
+CUresult cuStreamDestroy(CUstream s) {
+    ENTER("cuStreamDestroy");
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    int i = find_handle(stream_handles, nstreams, s);
+    if (i < 0) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    /* the driver finishes a destroyed stream's work; here it runs now */
+    int st = run_until((Stream *)s, UINT64_MAX);
+    if (st) { pthread_mutex_unlock(&queue_lock); return st; }
+    stream_handles[i] = stream_handles[--nstreams];
+    int q = find_handle((void **)queues, nqueues, s);
+    queues[q] = queues[--nqueues];
+    free(s);
+    pthread_mutex_unlock(&queue_lock);
+    return SUCCESS;
+}
+
+static CUresult stream_synchronize(CUstream s) {
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = q ? run_until(q, q->last_seq) : INVALID_HANDLE;
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+CUresult cuStreamSynchronize(CUstream s) { ENTER("cuStreamSynchronize"); return stream_synchronize(s); }
+
+static CUresult stream_query(CUstream s) {
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = !q ? INVALID_HANDLE : q->head ? NOT_READY : SUCCESS;
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+CUresult cuStreamQuery(CUstream s) { ENTER("cuStreamQuery"); return stream_query(s); }
 
 CUresult cuEventCreate(CUevent *e, unsigned flags) {
     ENTER("cuEventCreate");
@@ -360,117 +606,250 @@ CUresult cuEventCreate(CUevent *e, unsigned flags) {
 CUresult cuEventDestroy(CUevent e) {
     ENTER("cuEventDestroy");
     NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
     int i = find_handle(events, nevents, e);
-    if (i < 0) return INVALID_HANDLE;
+    if (i < 0) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    /* queued records of a destroyed event still run; they must not touch it */
+    Stream *all[2 * MAX_HANDLES + 1];
+    int n = 0;
+    all[n++] = &legacy_stream;
+    for (int k = 0; k < nqueues; k++) all[n++] = queues[k];
+    for (int k = 0; k < n; k++)
+        for (Op *op = all[k]->head; op; op = op->next)
+            if (op->event == e) op->event = NULL;
     free(e);
     events[i] = events[--nevents];
+    pthread_mutex_unlock(&queue_lock);
     return SUCCESS;
 }
 
-CUresult cuEventRecord(CUevent e, CUstream s) {
-    ENTER("cuEventRecord");
+static CUresult event_record(CUevent e, CUstream s) {
     NEED_CTX();
-    if (find_handle(events, nevents, e) < 0 || !stream_ok(s)) return INVALID_HANDLE;
-    ((Event *)e)->recorded = 1;
-    ((Event *)e)->when_ms = now_ms();
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    if (find_handle(events, nevents, e) < 0 || !q) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    Op *op = new_op(OP_EVENT);
+    op->event = e;
+    enqueue(q, op);
+    ((Event *)e)->stream = q;
+    ((Event *)e)->seq = op->seq;
+    ((Event *)e)->done = 0;
+    pthread_mutex_unlock(&queue_lock);
     return SUCCESS;
 }
+CUresult cuEventRecord(CUevent e, CUstream s) { ENTER("cuEventRecord"); return event_record(e, s); }
 
 CUresult cuEventSynchronize(CUevent e) {
     ENTER("cuEventSynchronize");
     NEED_CTX();
-    return find_handle(events, nevents, e) < 0 ? INVALID_HANDLE : SUCCESS;
+    pthread_mutex_lock(&queue_lock);
+    int st = SUCCESS;
+    if (find_handle(events, nevents, e) < 0) st = INVALID_HANDLE;
+    else if (((Event *)e)->seq && !((Event *)e)->done) st = run_until(((Event *)e)->stream, ((Event *)e)->seq);
+    pthread_mutex_unlock(&queue_lock);
+    return st;
 }
+
+CUresult cuEventQuery(CUevent e) {
+    ENTER("cuEventQuery");
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    int st = find_handle(events, nevents, e) < 0 ? INVALID_HANDLE
+             : (((Event *)e)->seq && !((Event *)e)->done) ? NOT_READY : SUCCESS;
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+static CUresult stream_wait_event(CUstream s, CUevent e, unsigned flags) {
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = SUCCESS;
+    if (!q || find_handle(events, nevents, e) < 0) st = INVALID_HANDLE;
+    else if (flags != 0) st = INVALID_VALUE;
+    else {
+        Op *op = new_op(OP_WAIT);
+        Event *ev = e;
+        if (ev->seq && !ev->done) add_dep(op, ev->stream, ev->seq);
+        enqueue(q, op);
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) { ENTER("cuStreamWaitEvent"); return stream_wait_event(s, e, flags); }
 
 CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end) {
     ENTER("cuEventElapsedTime");
     NEED_CTX();
     if (find_handle(events, nevents, start) < 0 || find_handle(events, nevents, end) < 0) return INVALID_HANDLE;
-    if (!((Event *)start)->recorded || !((Event *)end)->recorded) return NOT_READY;
+    if (!((Event *)start)->done || !((Event *)end)->done) return NOT_READY;
     *ms = (float)(((Event *)end)->when_ms - ((Event *)start)->when_ms);
     return SUCCESS;
 }
 
-/* ---- memset and copies (stream order is program order on the host) ---------------------- */
+/* ---- memset and copies ------------------------------------------------------------------ */
 
-CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, CUstream s) {
-    ENTER("cuMemsetD8Async");
+static CUresult enqueue_bytes(int kind, CUstream s, void *dst, const void *src, int value, size_t n) {
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    if (!q) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    Op *op = new_op(kind);
+    op->dst = dst; op->src = src; op->value = value; op->n = n;
+    enqueue(q, op);
+    pthread_mutex_unlock(&queue_lock);
+    return SUCCESS;
+}
+
+/* A synchronous copy: waits for the work it is ordered after, then copies. */
+static CUresult sync_copy(void *dst, const void *src, size_t n) {
+    pthread_mutex_lock(&queue_lock);
+    int st = run_before_sync_op();
+    if (!st) memmove(dst, src, n);
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+static CUresult memset_d8_async(CUdeviceptr dst, unsigned char value, size_t n, CUstream s) {
     NEED_CTX();
     if (!stream_ok(s)) return INVALID_HANDLE;
     if (!device_range_ok(dst, n)) return INVALID_VALUE;
-    memset((void *)(uintptr_t)dst, value, n);
-    return SUCCESS;
+    return enqueue_bytes(OP_MEMSET, s, (void *)(uintptr_t)dst, NULL, value, n);
+}
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, CUstream s) {
+    ENTER("cuMemsetD8Async");
+    return memset_d8_async(dst, value, n, s);
 }
 
-CUresult cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) {
-    ENTER("cuMemcpyHtoD");
+static CUresult memcpy_htod(CUdeviceptr dst, const void *src, size_t n) {
     NEED_CTX();
     if (!device_range_ok(dst, n) || !src) return INVALID_VALUE;
-    memcpy((void *)(uintptr_t)dst, src, n);
-    return SUCCESS;
+    return sync_copy((void *)(uintptr_t)dst, src, n);
 }
+CUresult cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) { ENTER("cuMemcpyHtoD"); return memcpy_htod(dst, src, n); }
 
-CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) {
-    ENTER("cuMemcpyDtoH");
+static CUresult memcpy_dtoh(void *dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
     if (!device_range_ok(src, n) || !dst) return INVALID_VALUE;
-    memcpy(dst, (void *)(uintptr_t)src, n);
-    return SUCCESS;
+    return sync_copy(dst, (const void *)(uintptr_t)src, n);
 }
+CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) { ENTER("cuMemcpyDtoH"); return memcpy_dtoh(dst, src, n); }
 
-CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    ENTER("cuMemcpyDtoD");
+static CUresult memcpy_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
     if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return INVALID_VALUE;
-    memmove((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n);
-    return SUCCESS;
+    return sync_copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
 }
+CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) { ENTER("cuMemcpyDtoD"); return memcpy_dtod(dst, src, n); }
 
+static CUresult memcpy_htod_async(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    NEED_CTX();
+    if (!stream_ok(s)) return INVALID_HANDLE;
+    if (!device_range_ok(dst, n) || !src) return INVALID_VALUE;
+    return enqueue_bytes(OP_COPY, s, (void *)(uintptr_t)dst, src, 0, n);
+}
 CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
     ENTER("cuMemcpyHtoDAsync");
-    NEED_CTX();
-    if (!stream_ok(s)) return INVALID_HANDLE;
-    if (!device_range_ok(dst, n) || !src) return INVALID_VALUE;
-    memcpy((void *)(uintptr_t)dst, src, n);
-    return SUCCESS;
+    return memcpy_htod_async(dst, src, n, s);
 }
 
-CUresult cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstream s) {
-    ENTER("cuMemcpyDtoHAsync");
+static CUresult memcpy_dtoh_async(void *dst, CUdeviceptr src, size_t n, CUstream s) {
     NEED_CTX();
     if (!stream_ok(s)) return INVALID_HANDLE;
     if (!device_range_ok(src, n) || !dst) return INVALID_VALUE;
-    memcpy(dst, (void *)(uintptr_t)src, n);
-    return SUCCESS;
+    return enqueue_bytes(OP_COPY, s, dst, (const void *)(uintptr_t)src, 0, n);
+}
+CUresult cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    ENTER("cuMemcpyDtoHAsync");
+    return memcpy_dtoh_async(dst, src, n, s);
 }
 
-CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    ENTER("cuMemcpyDtoDAsync");
+static CUresult memcpy_dtod_async(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     NEED_CTX();
     if (!stream_ok(s)) return INVALID_HANDLE;
     if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return INVALID_VALUE;
-    memmove((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n);
-    return SUCCESS;
+    return enqueue_bytes(OP_COPY, s, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, 0, n);
+}
+CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    ENTER("cuMemcpyDtoDAsync");
+    return memcpy_dtod_async(dst, src, n, s);
 }
 
-/* ---- modules and kernels ------------------------------------------------------------------ */
+/* ---- modules and kernels: the kernel harness libraries (tests/kernel_harness) ----------- */
 
-/* Parameter sizes of the pagedkv kernels, in order, as declared in pagedkv/nvrtc_src. */
-static const struct { const char *name; int nparams; int sizes[8]; } KERNELS[] = {
-    {"pagedkv_fill_blocks", 5, {8, 4, 8, 4, 4}},
-    {"pagedkv_copy_blocks", 5, {8, 4, 8, 8, 4}},
-    {"pagedkv_reduce_bf16_partial", 6, {8, 8, 8, 8, 4, 8}},
-    {"pagedkv_reduce_bf16_final", 3, {8, 4, 8}},
+typedef int (*HarnessCount)(void);
+typedef const char *(*HarnessName)(int);
+typedef int (*HarnessParams)(int, int *, int *, int);
+typedef int (*HarnessLaunch)(int, const unsigned *, const unsigned *, void **, int, unsigned long long, char *, int);
+
+typedef struct {
+    void *handle;
+    HarnessCount count;
+    HarnessName name;
+    HarnessParams params;
+    HarnessLaunch launch;
+} HarnessLib;
+
+#define MAX_LIBS 32
+static HarnessLib libs[MAX_LIBS];
+static int nlibs = -1; /* -1: PAGEDKV_HARNESS_LIBS not read yet */
+
+struct Function {
+    char name[64];
+    HarnessLib *lib;
+    int index;
+    int nparams;
+    int sizes[MAX_PARAMS], aligns[MAX_PARAMS];
 };
-#define NKERNELS (sizeof(KERNELS) / sizeof(KERNELS[0]))
 
-typedef struct { int kernel; } Function;
-typedef struct { unsigned char *image; size_t size; Function functions[NKERNELS]; } Module;
+#define MAX_FUNCTIONS 64
+typedef struct { unsigned char *image; size_t size; Function functions[MAX_FUNCTIONS]; int nfunctions; } Module;
 
 static void *modules[MAX_HANDLES];
 static int nmodules;
 
 int stub_live_modules(void) { return nmodules; }
+
+/* dlopen every library named in PAGEDKV_HARNESS_LIBS (os.pathsep separated), once. */
+static void load_harness(void) {
+    if (nlibs >= 0) return;
+    nlibs = 0;
+    const char *list = getenv("PAGEDKV_HARNESS_LIBS");
+    if (!list) return;
+    char *copy = strdup(list), *save = NULL;
+    for (char *path = strtok_r(copy, ":", &save); path && nlibs < MAX_LIBS; path = strtok_r(NULL, ":", &save)) {
+        void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (!h) continue;
+        HarnessLib *lib = &libs[nlibs];
+        lib->handle = h;
+        lib->count = (HarnessCount)dlsym(h, "pkv_harness_kernel_count");
+        lib->name = (HarnessName)dlsym(h, "pkv_harness_kernel_name");
+        lib->params = (HarnessParams)dlsym(h, "pkv_harness_kernel_params");
+        lib->launch = (HarnessLaunch)dlsym(h, "pkv_harness_launch");
+        if (lib->count && lib->name && lib->params && lib->launch) nlibs++;
+        else dlclose(h);
+    }
+    free(copy);
+}
+
+/* The library and index of kernel `name`, or NULL. */
+static HarnessLib *find_kernel(const char *name, int *index) {
+    load_harness();
+    for (int l = 0; l < nlibs; l++) {
+        int n = libs[l].count();
+        for (int k = 0; k < n; k++)
+            if (strcmp(libs[l].name(k), name) == 0) { *index = k; return &libs[l]; }
+    }
+    return NULL;
+}
+
+/* The parameter sizes of harness kernel `name` from its C++ signature (-1: no such kernel). */
+int stub_kernel_params(const char *name, int *sizes, int max) {
+    int index, aligns[MAX_PARAMS];
+    HarnessLib *lib = find_kernel(name, &index);
+    if (!lib) return -1;
+    int n = lib->params(index, sizes, aligns, max);
+    return n;
+}
 
 /* The size of an ELF64 image: the furthest of its section and program header tables. */
 static size_t elf_size(const unsigned char *img) {
@@ -515,20 +894,28 @@ CUresult cuModuleGetFunction(CUfunction *f, CUmodule mod, const char *name) {
     ENTER("cuModuleGetFunction");
     NEED_CTX();
     if (find_handle(modules, nmodules, mod) < 0) return INVALID_HANDLE;
+    if (!f || !name) return INVALID_VALUE;
     Module *m = mod;
-    for (size_t k = 0; k < NKERNELS; k++) {
-        if (strcmp(KERNELS[k].name, name) == 0) {
-            /* the symbol must really be in the CUBIN NVRTC produced */
-            if (!memmem(m->image, m->size, name, strlen(name) + 1)) return NOT_FOUND;
-            m->functions[k].kernel = (int)k;
-            *f = &m->functions[k];
-            return SUCCESS;
-        }
-    }
-    return NOT_FOUND;
+    /* the symbol must really be in the CUBIN NVRTC produced, and in a harness library */
+    if (!memmem(m->image, m->size, name, strlen(name) + 1)) return NOT_FOUND;
+    for (int i = 0; i < m->nfunctions; i++)
+        if (strcmp(m->functions[i].name, name) == 0) { *f = &m->functions[i]; return SUCCESS; }
+    int index;
+    HarnessLib *lib = find_kernel(name, &index);
+    if (!lib || m->nfunctions == MAX_FUNCTIONS || strlen(name) >= sizeof(m->functions[0].name)) return NOT_FOUND;
+    Function *fn = &m->functions[m->nfunctions];
+    int n = lib->params(index, fn->sizes, fn->aligns, MAX_PARAMS);
+    if (n < 0 || n > MAX_PARAMS) return NOT_FOUND;
+    strcpy(fn->name, name);
+    fn->lib = lib;
+    fn->index = index;
+    fn->nparams = n;
+    m->nfunctions++;
+    *f = fn;
+    return SUCCESS;
 }
 
-/* ---- launches: recorded byte for byte, then emulated ---------------------------------------- */
+/* ---- launches: recorded byte for byte, queued, then run by the harness ------------------ */
 
 typedef struct {
     char name[48];
@@ -551,122 +938,168 @@ int stub_launch_get(long i, LaunchRecord *out) {
     return 0;
 }
 
-static uint64_t u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-static int32_t i32(const unsigned char *p) { int32_t v; memcpy(&v, p, 4); return v; }
+/* CTA order of launches: PAGEDKV_HARNESS_ORDER = ascending (default), descending or random:SEED. */
+static int launch_order(unsigned long long *seed) {
+    const char *s = getenv("PAGEDKV_HARNESS_ORDER");
+    *seed = 0;
+    if (!s || strcmp(s, "ascending") == 0) return 0;
+    if (strcmp(s, "descending") == 0) return 1;
+    if (strncmp(s, "random:", 7) == 0) { *seed = strtoull(s + 7, NULL, 10); return 2; }
+    return 0;
+}
 
-typedef struct { int64_t base, stride, nbytes; } Region;
+static int execute_launch(Op *op) {
+    unsigned long long seed;
+    int order = launch_order(&seed);
+    Function *fn = op->fn;
+    char message[400];
+    int st = fn->lib->launch(fn->index, op->grid, op->block, op->params, order, seed, message, (int)sizeof message);
+    if (st) snprintf(fault_message, sizeof fault_message, "%s", message);
+    return st;
+}
 
-/* The exact BF16 reduction's emulation, in the DRIVER additions at the end. */
-#define EXACT_RESULT_WORDS 36
-static void exact_reduce_partial(int64_t base, int64_t stride, int64_t nbytes, const int32_t *blocks, int n,
-                                 int64_t *partials, unsigned grid);
-static void exact_reduce_final(const int64_t *partials, int n, int64_t *out);
-
-/* Emulate kernel k; ILLEGAL_ADDRESS when it would touch memory outside every allocation. */
-static CUresult emulate(int k, unsigned char (*p)[8], unsigned grid) {
-    if (k == 0 || k == 1) {
-        const Region *table = (const Region *)(uintptr_t)u64(p[0]);
-        int rows = i32(p[1]);
-        int n = k == 0 ? i32(p[3]) : i32(p[4]);
-        const int32_t *first = (const int32_t *)(uintptr_t)u64(p[2]);
-        const int32_t *second = k == 1 ? (const int32_t *)(uintptr_t)u64(p[3]) : NULL;
-        if (!device_range_ok((CUdeviceptr)(uintptr_t)table, sizeof(Region) * rows) ||
-            !device_range_ok((CUdeviceptr)(uintptr_t)first, 4 * (size_t)n) ||
-            (second && !device_range_ok((CUdeviceptr)(uintptr_t)second, 4 * (size_t)n)))
-            return ILLEGAL_ADDRESS;
-        for (int r = 0; r < rows; r++) {
-            for (int i = 0; i < n; i++) {
-                CUdeviceptr a = table[r].base + (int64_t)first[i] * table[r].stride;
-                if (!device_range_ok(a, table[r].nbytes)) return ILLEGAL_ADDRESS;
-                if (k == 0) {
-                    memset((void *)(uintptr_t)a, (int)(u64(p[4]) & 0xFF), table[r].nbytes);
-                } else {
-                    CUdeviceptr d = table[r].base + (int64_t)second[i] * table[r].stride;
-                    if (!device_range_ok(d, table[r].nbytes)) return ILLEGAL_ADDRESS;
-                    memcpy((void *)(uintptr_t)d, (void *)(uintptr_t)a, table[r].nbytes);
-                }
-            }
+static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                              unsigned bz, unsigned shared, CUstream s, void **params, void **extra) {
+    NEED_CTX();
+    if (!f || !params || extra) return INVALID_VALUE;
+    if (!stream_ok(s)) return INVALID_HANDLE;
+    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024) return INVALID_VALUE;
+    if (shared != 0) return INVALID_VALUE; /* the harness has no dynamic shared memory yet */
+    Function *fn = f;
+    /* the packed arguments must be laid out for the C++ parameter types: each pointer
+     * aligned for its type, and consecutive pointers into one argument block at least
+     * the previous parameter's size apart */
+    for (int i = 0; i < fn->nparams; i++) {
+        if (!params[i] || (uintptr_t)params[i] % (uintptr_t)fn->aligns[i]) return INVALID_VALUE;
+        if (i > 0) {
+            intptr_t gap = (intptr_t)params[i] - (intptr_t)params[i - 1];
+            if (gap > 0 && gap < 256 && gap < fn->sizes[i - 1]) return INVALID_VALUE;
         }
-        return SUCCESS;
     }
-    if (k == 2) {
-        int64_t base = (int64_t)u64(p[0]), stride = (int64_t)u64(p[1]), nbytes = (int64_t)u64(p[2]);
-        const int32_t *blocks = (const int32_t *)(uintptr_t)u64(p[3]);
-        int n = i32(p[4]);
-        int64_t *partials = (int64_t *)(uintptr_t)u64(p[5]);
-        if (!device_range_ok((CUdeviceptr)(uintptr_t)blocks, 4 * (size_t)n) ||
-            !device_range_ok((CUdeviceptr)(uintptr_t)partials, 8 * EXACT_RESULT_WORDS * (size_t)grid))
-            return ILLEGAL_ADDRESS;
-        for (int i = 0; i < n; i++)
-            if (!device_range_ok(base + (int64_t)blocks[i] * stride, nbytes)) return ILLEGAL_ADDRESS;
-        exact_reduce_partial(base, stride, nbytes, blocks, n, partials, grid);
-        return SUCCESS;
+    LaunchRecord *rec = &launches[nlaunches % MAX_LAUNCHES];
+    memset(rec, 0, sizeof(*rec));
+    strncpy(rec->name, fn->name, sizeof(rec->name) - 1);
+    rec->grid[0] = gx; rec->grid[1] = gy; rec->grid[2] = gz;
+    rec->block[0] = bx; rec->block[1] = by; rec->block[2] = bz;
+    rec->shared = shared;
+    rec->stream = (uint64_t)(uintptr_t)s;
+    rec->nparams = fn->nparams < 8 ? fn->nparams : 8;
+    for (int i = 0; i < rec->nparams; i++) {
+        rec->sizes[i] = fn->sizes[i] < 8 ? fn->sizes[i] : 8;
+        memcpy(rec->params[i], params[i], (size_t)rec->sizes[i]);
     }
-    const int64_t *partials = (const int64_t *)(uintptr_t)u64(p[0]);
-    int n = i32(p[1]);
-    int64_t *out = (int64_t *)(uintptr_t)u64(p[2]);
-    if (!device_range_ok((CUdeviceptr)(uintptr_t)partials, 8 * EXACT_RESULT_WORDS * (size_t)n) ||
-        !device_range_ok((CUdeviceptr)(uintptr_t)out, 8 * EXACT_RESULT_WORDS))
-        return ILLEGAL_ADDRESS;
-    exact_reduce_final(partials, n, out);
+    nlaunches++;
+    /* the driver copies the arguments at launch: the caller may reuse its buffer at once */
+    size_t total = 0, at = 0;
+    for (int i = 0; i < fn->nparams; i++) total += ((size_t)fn->sizes[i] + 15) / 16 * 16;
+    Op *op = new_op(OP_LAUNCH);
+    op->fn = fn;
+    op->grid[0] = gx; op->grid[1] = gy; op->grid[2] = gz;
+    op->block[0] = bx; op->block[1] = by; op->block[2] = bz;
+    op->param_bytes = aligned_alloc(16, total ? total : 16);
+    for (int i = 0; i < fn->nparams; i++) {
+        memcpy(op->param_bytes + at, params[i], (size_t)fn->sizes[i]);
+        op->params[i] = op->param_bytes + at;
+        at += ((size_t)fn->sizes[i] + 15) / 16 * 16;
+    }
+    pthread_mutex_lock(&queue_lock);
+    enqueue(queue_of(s), op);
+    pthread_mutex_unlock(&queue_lock);
     return SUCCESS;
 }
 
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shared, CUstream s, void **params, void **extra) {
     ENTER("cuLaunchKernel");
-    NEED_CTX();
-    if (!f || !params || extra) return INVALID_VALUE;
-    if (!stream_ok(s)) return INVALID_HANDLE;
-    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024) return INVALID_VALUE;
-    int k = ((Function *)f)->kernel;
-    LaunchRecord *rec = &launches[nlaunches % MAX_LAUNCHES];
-    memset(rec, 0, sizeof(*rec));
-    strncpy(rec->name, KERNELS[k].name, sizeof(rec->name) - 1);
-    rec->grid[0] = gx; rec->grid[1] = gy; rec->grid[2] = gz;
-    rec->block[0] = bx; rec->block[1] = by; rec->block[2] = bz;
-    rec->shared = shared;
-    rec->stream = (uint64_t)(uintptr_t)s;
-    rec->nparams = KERNELS[k].nparams;
-    for (int i = 0; i < KERNELS[k].nparams; i++) {
-        rec->sizes[i] = KERNELS[k].sizes[i];
-        memcpy(rec->params[i], params[i], (size_t)KERNELS[k].sizes[i]);
+    return launch_kernel(f, gx, gy, gz, bx, by, bz, shared, s, params, extra);
+}
+
+/* ---- per-thread-default-stream entry points (cuGetProcAddress with PER_THREAD flags) ---- */
+
+#define PTDS(ret, name, counted, params, args) \
+    static ret name##_ptds params { ENTER(counted); ptds_api = 1; ret r = args; ptds_api = 0; return r; }
+PTDS(CUresult, cuMemcpyHtoD, "cuMemcpyHtoD", (CUdeviceptr d, const void *s, size_t n), memcpy_htod(d, s, n))
+PTDS(CUresult, cuMemcpyDtoH, "cuMemcpyDtoH", (void *d, CUdeviceptr s, size_t n), memcpy_dtoh(d, s, n))
+PTDS(CUresult, cuMemcpyDtoD, "cuMemcpyDtoD", (CUdeviceptr d, CUdeviceptr s, size_t n), memcpy_dtod(d, s, n))
+PTDS(CUresult, cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", (CUdeviceptr d, const void *s, size_t n, CUstream st),
+     memcpy_htod_async(d, s, n, st))
+PTDS(CUresult, cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", (void *d, CUdeviceptr s, size_t n, CUstream st),
+     memcpy_dtoh_async(d, s, n, st))
+PTDS(CUresult, cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync", (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st),
+     memcpy_dtod_async(d, s, n, st))
+PTDS(CUresult, cuMemsetD8Async, "cuMemsetD8Async", (CUdeviceptr d, unsigned char v, size_t n, CUstream st),
+     memset_d8_async(d, v, n, st))
+PTDS(CUresult, cuStreamSynchronize, "cuStreamSynchronize", (CUstream s), stream_synchronize(s))
+PTDS(CUresult, cuStreamQuery, "cuStreamQuery", (CUstream s), stream_query(s))
+PTDS(CUresult, cuEventRecord, "cuEventRecord", (CUevent e, CUstream s), event_record(e, s))
+PTDS(CUresult, cuStreamWaitEvent, "cuStreamWaitEvent", (CUstream s, CUevent e, unsigned f), stream_wait_event(s, e, f))
+PTDS(CUresult, cuLaunchKernel, "cuLaunchKernel",
+     (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh,
+      CUstream s, void **p, void **x),
+     launch_kernel(f, gx, gy, gz, bx, by, bz, sh, s, p, x))
+#undef PTDS
+
+/* The primary context was destroyed after a fault: its memory, streams, events and modules
+ * go with it, and the device is usable again. */
+static void reset_device(void) {
+    pthread_mutex_lock(&queue_lock);
+    reset_queues();
+    for (int i = 0; i < nallocs; i++) free((void *)(uintptr_t)allocs[i].base);
+    nallocs = 0;
+    used_mem = 0;
+    for (int i = 0; i < nhost; i++) free(host_allocs[i]);
+    nhost = 0;
+    for (int i = 0; i < nstreams; i++) {
+        int q = find_handle((void **)queues, nqueues, stream_handles[i]);
+        queues[q] = queues[--nqueues];
+        free(stream_handles[i]);
     }
-    nlaunches++;
-    return emulate(k, rec->params, gx);
+    nstreams = 0;
+    for (int i = 0; i < nevents; i++) free(events[i]);
+    nevents = 0;
+    for (int i = 0; i < nmodules; i++) { free(((Module *)modules[i])->image); free(modules[i]); }
+    nmodules = 0;
+    pthread_mutex_unlock(&queue_lock);
 }
 
 /* ---- entry-point lookup, as cuda-bindings does it ----------------------------------------- */
 
-static const struct { const char *name; void *fn; } ENTRY_POINTS[] = {
-#define EP(f) {#f, (void *)f}
+typedef struct { const char *name; void *fn; void *ptds; } EntryPoint;
+static const EntryPoint ENTRY_POINTS[] = {
+#define EP(f) {#f, (void *)f, NULL}
+#define EP2(f) {#f, (void *)f, (void *)f##_ptds}
     EP(cuGetErrorName), EP(cuGetErrorString), EP(cuInit), EP(cuDriverGetVersion),
     EP(cuDeviceGetCount), EP(cuDeviceGet), EP(cuDeviceGetName), EP(cuDeviceGetAttribute),
     EP(cuDevicePrimaryCtxRetain), EP(cuDevicePrimaryCtxRelease), EP(cuCtxSetCurrent),
     EP(cuCtxGetCurrent), EP(cuCtxSynchronize), EP(cuMemAlloc), EP(cuMemFree), EP(cuMemGetInfo),
     EP(cuMemHostAlloc), EP(cuMemFreeHost), EP(cuStreamCreate), EP(cuStreamDestroy),
-    EP(cuStreamSynchronize), EP(cuEventCreate), EP(cuEventDestroy), EP(cuEventRecord),
-    EP(cuEventSynchronize), EP(cuEventElapsedTime), EP(cuMemsetD8Async), EP(cuMemcpyHtoD),
-    EP(cuMemcpyDtoH), EP(cuMemcpyDtoD), EP(cuMemcpyHtoDAsync), EP(cuMemcpyDtoHAsync),
-    EP(cuMemcpyDtoDAsync), EP(cuModuleLoadData), EP(cuModuleUnload), EP(cuModuleGetFunction),
-    EP(cuLaunchKernel),
+    EP2(cuStreamSynchronize), EP2(cuStreamQuery), EP(cuEventCreate), EP(cuEventDestroy), EP2(cuEventRecord),
+    EP(cuEventSynchronize), EP(cuEventQuery), EP(cuEventElapsedTime), EP2(cuStreamWaitEvent),
+    EP2(cuMemsetD8Async), EP2(cuMemcpyHtoD), EP2(cuMemcpyDtoH), EP2(cuMemcpyDtoD), EP2(cuMemcpyHtoDAsync),
+    EP2(cuMemcpyDtoHAsync), EP2(cuMemcpyDtoDAsync), EP(cuModuleLoadData), EP(cuModuleUnload),
+    EP(cuModuleGetFunction), EP2(cuLaunchKernel),
 #undef EP
+#undef EP2
 };
 #define NENTRY (sizeof(ENTRY_POINTS) / sizeof(ENTRY_POINTS[0]))
 
-static void *driver_additions_lookup(const char *symbol);
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2
 
-static void *lookup(const char *symbol) {
+static void *driver_additions_lookup(const char *symbol); /* the DRIVER additions at the end */
+
+static void *lookup(const char *symbol, uint64_t flags) {
     for (size_t i = 0; i < NENTRY; i++)
-        if (strcmp(ENTRY_POINTS[i].name, symbol) == 0) return ENTRY_POINTS[i].fn;
+        if (strcmp(ENTRY_POINTS[i].name, symbol) == 0)
+            return (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && ENTRY_POINTS[i].ptds
+                       ? ENTRY_POINTS[i].ptds : ENTRY_POINTS[i].fn;
     return driver_additions_lookup(symbol);
 }
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
-    (void)version; (void)flags;
+    (void)version;
     enter("cuGetProcAddress");
     if (!symbol || !pfn) return INVALID_VALUE;
-    *pfn = lookup(symbol);
+    *pfn = lookup(symbol, flags);
     if (status) *status = *pfn ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / SYMBOL_NOT_FOUND */
     return *pfn ? SUCCESS : NOT_FOUND;
 }
@@ -684,8 +1117,7 @@ CUresult cuGetExportTable(const void **table, const void *id) {
 }
 
 /* ---- DRIVER additions ---------------------------------------------------------------- */
-/* Entry points and emulations the DRIVER work needs; everything above stays as it was,
- * but for the two forward declarations the emulation and lookup() call into. */
+/* Entry points the DRIVER work needs; lookup() falls back to these (one declaration above). */
 
 static int occupancy_per_sm = 8;
 
@@ -698,72 +1130,6 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *num_blocks, CUfunction
     (void)smem;
     *num_blocks = occupancy_per_sm;
     return SUCCESS;
-}
-
-/* Exact BF16 sums as pagedkv/exact_sum.py defines them: 32-bit digits in int64 words,
- * sum (9 digits, units 2^-133), sum of |x| (9), sum of squares (17, units 2^-266), flags. */
-#define EX_SUM_DIGITS 9
-#define EX_SSQ_DIGITS 17
-#define EX_SUM 0
-#define EX_SABS EX_SUM_DIGITS
-#define EX_SSQ (2 * EX_SUM_DIGITS)
-#define EX_FLAGS (2 * EX_SUM_DIGITS + EX_SSQ_DIGITS)
-
-static void ex_carry(int64_t *d, int n) {
-    for (int i = 0; i + 1 < n; i++) {
-        int64_t c = d[i] >> 32;
-        d[i] -= c * 4294967296LL;
-        d[i + 1] += c;
-    }
-}
-
-static void ex_normalize(int64_t *d) {
-    ex_carry(d + EX_SUM, EX_SUM_DIGITS);
-    ex_carry(d + EX_SABS, EX_SUM_DIGITS);
-    ex_carry(d + EX_SSQ, EX_SSQ_DIGITS);
-}
-
-static void ex_add(int64_t *d, uint16_t bits) {
-    uint32_t e = (bits >> 7) & 0xFF, f = bits & 0x7F;
-    if (e == 0xFF) { d[EX_FLAGS] |= f ? 1 : ((bits & 0x8000) ? 4 : 2); return; }
-    uint32_t m = e ? (f | 0x80) : f, s = e ? e - 1 : 0;
-    if (!m) return;
-    uint64_t v = (uint64_t)m << (s & 31), q = (uint64_t)(m * m) << ((2 * s) & 31);
-    int dv = (int)(s >> 5), dq = (int)((2 * s) >> 5);
-    int64_t lo = (int64_t)(v & 0xFFFFFFFFu), hi = (int64_t)(v >> 32);
-    int64_t sign = (bits & 0x8000) ? -1 : 1;
-    d[EX_SUM + dv] += sign * lo; d[EX_SUM + dv + 1] += sign * hi;
-    d[EX_SABS + dv] += lo; d[EX_SABS + dv + 1] += hi;
-    d[EX_SSQ + dq] += (int64_t)(q & 0xFFFFFFFFu); d[EX_SSQ + dq + 1] += (int64_t)(q >> 32);
-}
-
-static void exact_reduce_partial(int64_t base, int64_t stride, int64_t nbytes, const int32_t *blocks, int n,
-                                 int64_t *partials, unsigned grid) {
-    for (unsigned c = 0; c < grid; c++) {
-        int64_t *d = partials + (size_t)EXACT_RESULT_WORDS * c;
-        memset(d, 0, 8 * EXACT_RESULT_WORDS);
-        long added = 0;
-        for (int i = (int)c; i < n; i += (int)grid) {
-            const uint16_t *v = (const uint16_t *)(uintptr_t)(base + (int64_t)blocks[i] * stride);
-            for (int64_t j = 0; j < nbytes / 2; j++) {
-                uint16_t bits;
-                memcpy(&bits, v + j, 2);
-                ex_add(d, bits);
-                if (++added == (1L << 30)) { ex_normalize(d); added = 0; }
-            }
-        }
-        ex_normalize(d);
-    }
-}
-
-static void exact_reduce_final(const int64_t *partials, int n, int64_t *out) {
-    int64_t d[EXACT_RESULT_WORDS] = {0};
-    for (int p = 0; p < n; p++) {
-        for (int j = 0; j < EX_FLAGS; j++) d[j] += partials[(size_t)EXACT_RESULT_WORDS * p + j];
-        d[EX_FLAGS] |= partials[(size_t)EXACT_RESULT_WORDS * p + EX_FLAGS];
-        ex_normalize(d);
-    }
-    memcpy(out, d, sizeof(d));
 }
 
 static const struct { const char *name; void *fn; } DRIVER_ENTRY_POINTS[] = {

@@ -1,0 +1,114 @@
+"""Build the kernel harness: one shared library per kernel source, for the libcuda stub.
+
+`build_kernel_libraries(sources, out_dir)` compiles each `.cu` file unchanged as C++20
+with g++ (the shim header force-included, the source's NVRTC `-D` options, no FP
+contraction, SSE2 float math, every access alignment-checked) together with a generated
+registration table of its `extern "C" __global__` kernels and the fiber runtime. The
+stub finds the libraries through `HARNESS_ENV` (paths joined by os.pathsep).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterable, Sequence
+
+HERE = Path(__file__).resolve().parent
+HARNESS_ENV = "PAGEDKV_HARNESS_LIBS"
+"""Environment variable the stub reads: the kernel libraries to resolve kernels in."""
+
+ORDER_ENV = "PAGEDKV_HARNESS_ORDER"
+"""Environment variable the stub reads: CTA order `ascending`, `descending` or `random:SEED`."""
+
+SMS_ENV = "PAGEDKV_STUB_SMS"
+"""Environment variable the stub reads: its MULTIPROCESSOR_COUNT (default 4)."""
+
+CXX_FLAGS = (
+    "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wno-unused-function",
+    "-ffp-contract=off", "-fno-fast-math", "-msse2", "-mfpmath=sse",
+)
+KERNEL_FLAGS = ("-fsanitize=alignment", "-fno-sanitize-recover=alignment")
+
+_KERNEL = re.compile(
+    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?([A-Za-z_]\w*)\s*\('
+)
+
+
+class HarnessBuildError(RuntimeError):
+    """g++ refused a kernel source or the runtime; the message holds its output."""
+
+
+def kernel_names(source: str) -> list[str]:
+    """The `extern "C" __global__` function names declared in a kernel source, in order."""
+    return _KERNEL.findall(source)
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with ($CXX, else g++), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def source_defines(path: Path) -> tuple[str, ...]:
+    """The `-DNAME=VALUE` options the driver passes NVRTC for this source (none when the
+    driver does not say: `pagedkv.driver.nvrtc.source_defines` is optional)."""
+    from pagedkv.driver import nvrtc
+
+    get = getattr(nvrtc, "source_defines", None)
+    return tuple(get(path.name)) if get is not None else ()
+
+
+def _run(cmd: Sequence[str]) -> None:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HarnessBuildError(f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+
+
+_RUNTIMES: dict[str, Path] = {}
+
+
+def build_runtime(out_dir: Path, cxx: str) -> Path:
+    """runtime.o in `out_dir`, compiled once per process and compiler (later calls reuse
+    the first object while it exists)."""
+    obj = _RUNTIMES.get(cxx)
+    if obj is not None and obj.exists():
+        return obj
+    obj = out_dir / "runtime.o"
+    _run([cxx, *CXX_FLAGS, "-I", str(HERE), "-c", "-o", str(obj), str(HERE / "runtime.cc")])
+    _RUNTIMES[cxx] = obj
+    return obj
+
+
+def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime: Path,
+                         defines: Iterable[str] = ()) -> Path:
+    """lib<stem>.so for one kernel source; HarnessBuildError when it declares no kernel or
+    does not compile."""
+    source = source.resolve()
+    names = kernel_names(source.read_text())
+    if not names:
+        raise HarnessBuildError(f"{source} declares no extern \"C\" __global__ kernel")
+    unit = out_dir / f"{source.stem}_harness.cc"
+    unit.write_text(
+        f'#include "{source}"\n#include "harness.h"\n'
+        'extern "C" const PkvKernel pkv_kernel_table[] = {\n'
+        + "".join(f"    PKV_KERNEL({n}),\n" for n in names)
+        + "};\n"
+        f'extern "C" const int pkv_kernel_table_size = {len(names)};\n'
+    )
+    lib = out_dir / f"lib{source.stem}_harness.so"
+    _run([cxx, *CXX_FLAGS, *KERNEL_FLAGS, *defines, "-I", str(HERE), "-include", str(HERE / "cuda_shim.h"),
+          "-shared", "-o", str(lib), str(unit), str(runtime)])
+    return lib
+
+
+def build_kernel_libraries(sources: Iterable[Path], out_dir: Path, defines=source_defines) -> list[Path]:
+    """One library per source in `out_dir` (created); `defines(path)` gives each source's
+    `-D` options. Raises HarnessBuildError, or FileNotFoundError when there is no g++."""
+    cxx = compiler()
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler (g++ or $CXX) to build the kernel harness")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runtime = build_runtime(out_dir, cxx)
+    return [build_kernel_library(Path(s), out_dir, cxx, runtime, defines(Path(s))) for s in sources]

@@ -1,0 +1,82 @@
+"""The mutation test of the kernel harness: planted kernel bugs (a CTA that does nothing,
+thread 0 that does nothing, a tail off by one, a missing __syncthreads) each make the
+kernel's check over the stub fail, and the same pipeline on the unmutated sources passes.
+Each mutant is a copy of pagedkv/nvrtc_src with the bug in every kernel of one file,
+built into its own harness libraries and run in a subprocess (NVRTC still compiles the
+real sources: only the code the harness executes is mutated). What a passing run shows is
+that the harness and the checks of tests/kernel_harness/checks.py see these bugs; it is
+no GPU (no memory model, no concurrency between CTAs, no timing).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kernel_harness.build import HARNESS_ENV
+from kernel_harness.checks import check_body
+from kernel_harness.mutations import KINDS, MutationNotApplicable, mutate
+from kernel_harness.stub import build_harness, run_on_stub, run_on_stub_unchecked, with_libraries
+
+SOURCE_CHECKS = {"fill_blocks.cu": "fill", "copy_blocks.cu": "copy", "reduce_bf16.cu": "reduce"}
+SMS = 2
+
+
+def _sources() -> dict[str, Path]:
+    from pagedkv.driver import nvrtc
+
+    sources = {p.name: p for p in nvrtc.kernel_sources()}
+    assert set(SOURCE_CHECKS) <= set(sources), sorted(sources)
+    return sources
+
+
+def _copies(tmp: Path, texts: dict[str, str]) -> list[Path]:
+    """The kernel libraries of `texts` (file name -> source text) built under `tmp`."""
+    src_dir = tmp / "src"
+    src_dir.mkdir(parents=True)
+    copies = []
+    for name, text in sorted(texts.items()):
+        copy = src_dir / name
+        copy.write_text(text)
+        copies.append(copy)
+    return build_harness(copies, tmp / "libs")
+
+
+def _with_mutant(stub_env: dict, tmp: Path, filename: str, text: str) -> dict:
+    """stub_env with the library of `filename` replaced by one built from `text`."""
+    (mutant,) = _copies(tmp, {filename: text})
+    libs = [p for p in stub_env[HARNESS_ENV].split(os.pathsep) if Path(p).name != mutant.name]
+    assert len(libs) == len(_sources()) - 1, (libs, mutant.name)
+    return with_libraries(stub_env, [*libs, mutant])
+
+
+def test_unmutated_copies_pass_every_check(stub_env, tmp_path):
+    env = with_libraries(stub_env, _copies(tmp_path, {n: p.read_text() for n, p in _sources().items()}))
+    for check in SOURCE_CHECKS.values():
+        assert f"CHECK {check} ok" in run_on_stub(env, check_body(check, SMS))
+
+
+MUTANTS = [
+    (kind, name)
+    for kind in KINDS
+    for name in SOURCE_CHECKS
+    if kind != "missing_syncthreads" or name == "reduce_bf16.cu"
+]
+
+
+@pytest.mark.parametrize("kind,filename", MUTANTS, ids=[f"{k}-{f.split('.')[0]}" for k, f in MUTANTS])
+def test_planted_bug_fails_its_check(stub_env, tmp_path, kind, filename):
+    try:
+        mutant = mutate(_sources()[filename].read_text(), kind)
+    except MutationNotApplicable as err:
+        pytest.fail(f"{kind} cannot be planted in {filename}: {err}")
+    env = _with_mutant(stub_env, tmp_path, filename, mutant)
+    check = SOURCE_CHECKS[filename]
+    proc = run_on_stub_unchecked(env, check_body(check, SMS))
+    assert proc.returncode != 0 and f"CHECK {check} ok" not in proc.stdout, (
+        f"{kind} planted in {filename} went unnoticed by the {check} check:\n{proc.stdout}\n{proc.stderr[-2000:]}"
+    )
+    # it failed on a wrong result or a launch fault, not on something unrelated
+    assert "AssertionError" in proc.stderr or "CudaError" in proc.stderr, proc.stderr[-2000:]
