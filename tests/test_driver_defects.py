@@ -284,3 +284,28 @@ def test_gpu_bench_counts_copy_traffic_as_read_plus_write(stub_env):
         "needs >= 0.75x",
     ):
         assert line in out, (line, out)
+
+
+def test_reduction_traps_when_launched_with_another_block_size(stub_env):
+    """REDUCE_THREADS is one number, from Python (-DREDUCE_THREADS): a launch with any other
+    blockDim.x traps instead of running a tree that assumes the compiled size."""
+    run_on_stub(stub_env, '''
+        from pagedkv.driver import CudaBackend, CudaError
+        from pagedkv.driver import nvrtc
+        gpu = CudaBackend()
+        assert gpu._launchers["pagedkv_reduce_bf16_partial"].threads == nvrtc.REDUCE_THREADS == 256
+        g = gpu.alloc(4 * 512)
+        regions = gpu.create_block_regions([(int(g), 512, 512)])
+        gpu._launchers["pagedkv_reduce_bf16_partial"].threads = 128
+        try:
+            gpu.reduce_bf16_blocks(regions, 0, [0, 1], 0)
+        except CudaError as err:
+            assert err.status_name == "CUDA_ERROR_LAUNCH_FAILED", err
+        else:
+            raise AssertionError("a 128-thread launch of a 256-thread reduction must trap")
+        try:
+            gpu.close()  # the fault is sticky, as on a GPU: close reports it and still releases
+        except CudaError as err:
+            assert err.status_name == "CUDA_ERROR_LAUNCH_FAILED", err
+        assert gpu.closed and STUB.stub_primary_refs() == 0
+    ''')
