@@ -203,6 +203,11 @@ class GpuBackend(Protocol):
         """Wait until all work enqueued on `stream` has finished."""
         ...
 
+    def synchronize_all(self) -> None:
+        """Wait until the work enqueued on every stream of this backend has finished (call
+        it before freeing memory that queued work may still touch)."""
+        ...
+
     def default_stream(self) -> int:
         """The handle of the default stream."""
         ...

@@ -144,6 +144,9 @@ class HostBackend:
         """Nothing to wait for (work runs at once); validates the handle."""
         self._check_stream(stream)
 
+    def synchronize_all(self) -> None:
+        """Nothing to wait for (work runs at once): every stream is always synchronised."""
+
     # -- copies and memset ----------------------------------------------------------
 
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:

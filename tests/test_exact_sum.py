@@ -123,3 +123,11 @@ def test_host_backend_reduction_is_exact_and_checks_its_row():
     ):
         with pytest.raises(ValueError, match=words):
             host.reduce_bf16_blocks(host.create_block_regions(rows), 0, [0], 0)
+
+
+def test_host_backend_synchronize_all_is_part_of_the_contract():
+    from pagedkv import GpuBackend
+
+    host = HostBackend(1 << 20)
+    assert host.synchronize_all() is None
+    assert isinstance(host, GpuBackend) and hasattr(GpuBackend, "synchronize_all")

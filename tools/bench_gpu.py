@@ -39,7 +39,11 @@ class EventTimer:
 
         from pagedkv.driver.errors import check
 
-        self._driver, self._check, self.stream = driver, check, stream
+        from pagedkv.driver._bindings import CU_STREAM_LEGACY
+
+        # stream 0 is the backend's legacy default stream: name it explicitly, as the backend does
+        self._driver, self._check = driver, check
+        self.stream = CU_STREAM_LEGACY if stream == 0 else stream
         self._start = check(driver.cuEventCreate(0), "cuEventCreate")
         self._end = check(driver.cuEventCreate(0), "cuEventCreate")
 
