@@ -622,6 +622,18 @@ class PagedKvCache:
             raise ValueError(f"a block costs {per_block} bytes: cannot size a cache")
         return available_bytes // per_block
 
+    def k_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
+        """`layer`'s K pool as a zero-copy DLPack tensor on `gpu` (work on `stream`); see `pagedkv.views`."""
+        from .views import PoolView
+
+        return PoolView(self, layer, "K", gpu, stream, readonly)
+
+    def v_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
+        """`layer`'s V pool as a zero-copy DLPack tensor (the K view under `v_aliases_k`)."""
+        from .views import PoolView
+
+        return PoolView(self, layer, "V", gpu, stream, readonly)
+
 
 def _counts_of(refs: list[int], blocks: list[int]) -> tuple[int, ...]:
     """The counts of `blocks` (valid indices), gathered at C speed."""

@@ -27,6 +27,7 @@ from .backend import (
 )
 from .errors import DeviceMemoryError, DeviceOutOfMemory
 from .exact_sum import bf16_stats
+from .streams import stream_handle
 from .validate import positive_int
 
 ALIGNMENT = 256
@@ -137,8 +138,9 @@ class HostBackend:
         self._streams.discard(stream)
 
     def _check_stream(self, stream: int) -> None:
-        if stream not in self._streams:
-            raise ValueError(f"unknown stream {stream!r}")
+        handle = stream_handle(stream)
+        if handle not in self._streams:
+            raise ValueError(f"unknown stream {handle!r}")
 
     def synchronize(self, stream: int) -> None:
         """Nothing to wait for (work runs at once); validates the handle."""

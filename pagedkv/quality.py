@@ -1,4 +1,4 @@
-"""`pagedkv quality`: how much each storage format costs in bits and loses in accuracy.
+"""How much each storage format costs in bits and loses in accuracy (`pagedkv quality`'s table).
 
 On synthetic KV shaped like a real model's (heavy-tailed values, a few outlier channels per
 head in K, seeded), each format's K and V sides go through the host codec and back. The
@@ -9,7 +9,6 @@ also without rotation), and the cosine similarity of the attention output
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,39 +148,3 @@ def describe(tokens: int, heads: int, head_dim: int, seed: int) -> str:
         f"K Student-t(4) + 4 outlier channels/head, V Student-t(5); 8 queries/head "
         f"(score std {SCORE_SPREAD}); attention cosine vs BF16 K and V"
     )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the quality table for the sizes in `args`; exit status 0."""
-    print(describe(args.tokens, args.heads, args.head_dim, args.seed))
-    print(format_table(quality_table(args.tokens, args.heads, args.head_dim, args.seed)))
-    return 0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The table's size options (shared with tools/bench_quality.py)."""
-    parser.add_argument("--tokens", type=_positive, default=512, help="tokens of synthetic KV (default 512)")
-    parser.add_argument("--heads", type=_positive, default=8, help="KV heads (default 8)")
-    parser.add_argument("--head-dim", type=_positive, default=128, help="head size, a multiple of 16 (default 128)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
-    return value
-
-
-def register(subparsers) -> None:
-    """Add the `quality` subcommand."""
-    parser = subparsers.add_parser("quality", help="bits per element and accuracy of every format", description=__doc__)
-    add_arguments(parser)
-    parser.set_defaults(func=_run_checked)
-
-
-def _run_checked(args: argparse.Namespace) -> int:
-    if args.head_dim % 16:
-        print(f"pagedkv quality: --head-dim {args.head_dim} is not a multiple of 16 (the grouped formats need it)")
-        return 2
-    return run(args)

@@ -26,7 +26,9 @@ from .cache import PagedKvCache
 from .errors import KvCacheError
 from .log import get_logger
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked, token_list
+from .streams import stream_handle
 from .validate import non_negative_int
+from .views import DeviceArrayPtr, export_dlpack, export_dlpack_device
 
 _log = get_logger("sequence_table")
 
@@ -34,7 +36,8 @@ _ALIGN = 16  # bytes between arrays packed into one upload
 
 
 class PageTable(NamedTuple):
-    """The CSR block lists of paged-attention kernels: sequence i's blocks are
+    """The CSR block lists of paged-attention kernels (FlashInfer's `paged_kv_indptr`,
+    `paged_kv_indices`, `paged_kv_last_page_len`): sequence i's blocks are
     `indices[indptr[i]:indptr[i+1]]`; `last_page_len[i]` tokens fill its last block."""
 
     indptr: np.ndarray
@@ -45,10 +48,15 @@ class PageTable(NamedTuple):
 class Exported(NamedTuple):
     """An export for kernels: `host` (a numpy array, or a PageTable of arrays) and, when the
     table has a backend, `device` (a DevicePtr, or a PageTable of DevicePtrs) into a buffer
-    the table owns and overwrites on the next export of the same kind; else None."""
+    the table owns and overwrites on the next export of the same kind; else None.
+    A single-array export is a DLPack producer of `device` when there is one, else of
+    `host`; each device pointer is one too (`pagedkv.views.DeviceArrayPtr`)."""
 
     host: object
     device: object
+
+    __dlpack__ = export_dlpack
+    __dlpack_device__ = export_dlpack_device
 
 
 class _Seq:
@@ -94,6 +102,7 @@ class SequenceTable:
         self._prefix = prefix_cache
         self._gpu = gpu
         self._stream = stream
+        stream_handle(stream)  # an int or a __cuda_stream__ object; the object is kept for the backend
         self._bs = cache.block_size()
         self._window = cache.config().cache_blocks_per_seq
         self._seqs: dict[Hashable, _Seq] = {}
@@ -338,7 +347,8 @@ class SequenceTable:
 
     def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
-        with -1."""
+        with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`). The export
+        is a DLPack producer: of the device buffer with a backend, else of the host array."""
         seqs = [self._get(s) for s in seq_ids]
         width = max((len(s.blocks) for s in seqs), default=0)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
@@ -347,8 +357,19 @@ class SequenceTable:
         return Exported(table, self._upload("block_table", [table]))
 
     def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
-        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks
-        (`last_page_len` is 0 for a sequence with no tokens)."""
+        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks.
+
+        `last_page_len` follows FlashInfer's rule: between 1 and `block_size` for a sequence
+        with tokens, so its held length is `(pages - 1) * block_size + last_page_len`. A
+        sequence with no tokens holds no pages (`indptr[i] == indptr[i+1]`) and gets 0.
+        Example, block_size 4: A holds blocks [7, 2, 9] with 9 tokens, B [4] with 3, C none::
+
+            indptr        = [0, 3, 4, 4]
+            indices       = [7, 2, 9, 4]
+            last_page_len = [1, 3, 0]
+
+        With a backend, `device` is a PageTable of DLPack producers (kDLCPU on HostBackend,
+        kDLCUDA on CudaBackend); without one, `host` holds numpy arrays (DLPack producers too)."""
         seqs = [self._get(s) for s in seq_ids]
         lengths = np.fromiter((len(s.blocks) for s in seqs), dtype=np.int32, count=len(seqs))
         indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
@@ -367,7 +388,15 @@ class SequenceTable:
     def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
         """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
         `add` or `append` introduced (for `add`, those after the prefix-cache match),
-        sequence after sequence, padded with -1 (skip) to `pad_to` entries."""
+        sequence after sequence, padded with -1 (skip) to `pad_to` entries.
+
+        Example, block_size 4: A holds blocks [7, 2, 9] and its latest append added
+        positions 7 and 8; B holds [4] and was just added with 3 tokens::
+
+            slot_mapping(["A", "B"], pad_to=6) = [2*4+3, 9*4+0, 4*4+0, 4*4+1, 4*4+2, -1]
+                                               = [11, 36, 16, 17, 18, -1]
+
+        The export (and `device`, with a backend) is a DLPack producer."""
         bs = self._bs
         out: list[int] = []
         for seq_id in seq_ids:
@@ -401,7 +430,7 @@ class SequenceTable:
             staging[offset : offset + arr.nbytes] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
         base = self._device_buffer(kind, staging.nbytes)
         self._gpu.copy_h2d(staging, base)
-        ptrs = [base.offset(o) for o in offsets]
+        ptrs = [DeviceArrayPtr(base.offset(o), arr, self._gpu, self._stream) for arr, o in zip(arrays, offsets)]
         return ptrs[0] if len(ptrs) == 1 else ptrs
 
     def _device_buffer(self, kind: str, nbytes: int) -> DevicePtr:

@@ -1,7 +1,10 @@
-"""The command line: `pagedkv plan` figures and `pagedkv demo` checks."""
+"""The command line: `pagedkv plan` figures, `pagedkv demo` checks, bad arguments, closed pipes."""
 
 from __future__ import annotations
 
+import ast
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -9,10 +12,11 @@ import numpy as np
 import pytest
 import structlog
 
-from pagedkv import HostBackend, KvCacheDtype
-from pagedkv import demo as demo_module
+import pagedkv
+from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype
+from pagedkv.cli import demo as demo_module
 from pagedkv.cli import main
-from pagedkv.plan import parse_bytes, parse_dims, parse_dtypes
+from pagedkv.cli.plan import parse_bytes, parse_dims, parse_dtypes, parse_layer_dtypes
 
 
 @pytest.fixture(autouse=True)
@@ -49,25 +53,89 @@ def test_plan_selected_dtypes_and_layers(capsys):
     assert rows["fp8"][2:5] == [f"{(16384 + 8192) / 16:,.1f}", "42", "672"]
 
 
-def test_plan_invalid_format_row_says_why(capsys):
+def test_plan_lists_only_the_formats_that_fit_and_names_the_others(capsys):
     assert main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "3",
-                 "--block-size", "3", "--memory", "1GiB", "--dtype", "bf16,nvfp4"]) == 0
-    rows = _rows(capsys.readouterr().out)
+                 "--block-size", "3", "--memory", "1GiB"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = _rows("\n".join(lines[:4]))
+    assert list(rows) == ["bf16", "fp8"]
     assert rows["bf16"][2] == "12.0"  # 2 sides * 3 elements * 2 bytes
-    assert rows["nvfp4"][2] == "n/a" and "not a multiple of 16" in " ".join(rows["nvfp4"])
+    refused = [line for line in lines[4:]]
+    assert len(refused) == 14 and all(line.startswith("not listed: ") for line in refused)
+    assert refused[0].startswith("not listed: nvfp4 (") and "not a multiple of 16" in refused[0]
 
 
-@pytest.mark.parametrize("bad", [["--memory", "12XB"], ["--memory", "1GiB", "--dtype", "fp16"],
-                                 ["--memory", "1GiB", "--layer-dims", "8by128"]])
-def test_plan_bad_input_exits_2(capsys, bad):
+def test_plan_head_dim_100_lists_only_the_ungrouped_formats(capsys):
+    assert main(["plan", "--layers", "4", "--kv-heads", "8", "--head-dim", "100", "--memory", "1GiB"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["bf16", "fp8"]
+    grouped = [str(d) for d in KvCacheDtype if d.is_grouped()]
+    assert lines[4:] == [f"not listed: {', '.join(grouped)} (16-element groups need head_dim a multiple of 16; "
+                         "layer 0 has head_dim 100)"]
+
+
+@pytest.mark.parametrize("bad, named", [
+    (["--memory", "12XB"], "'12XB'"),
+    (["--memory", "1GiB", "--dtype", "fp16"], "'fp16'"),
+    (["--memory", "1GiB", "--layer-dims", "8by128"], "'8by128'"),
+    (["--memory", "1GiB", "--head-dim", "100", "--dtype", "bf16,nvfp4"], "--dtype nvfp4"),
+    (["--memory", "1GiB", "--head-dim", "100", "--layer-dtypes", "turbo4"], "layer 0 is turbo4"),
+    (["--memory", "1GiB", "--layer-dtypes", "bf16,bf16,fp8"], "--layer-dtypes lists 3 formats but --layers is 2"),
+    (["--memory", "1GiB", "--layer-dims", "8x64,8x64,8x64"], "--layer-dims lists 3 pairs but --layers is 2"),
+    (["--memory", "1GiB", "--layers", "0"], "--layers: must be a positive integer, got '0'"),
+    (["--memory", "1GiB", "--kv-heads", "-1"], "--kv-heads: must be a positive integer, got '-1'"),
+    (["--memory", "1GiB", "--block-size", "x"], "--block-size: must be a positive integer, got 'x'"),
+])
+def test_plan_bad_input_is_one_line_on_stderr_and_exit_2(capsys, bad, named):
     assert main(["plan", "--layers", "2", "--kv-heads", "8", "--head-dim", "128", *bad]) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("pagedkv plan: ") and bad[-1] in out
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("pagedkv plan: ") and named in err and err.count("\n") == 1, err
 
 
 def test_plan_without_memory_and_gpu_asks_for_it(capsys):
     assert main(["plan", "--layers", "2", "--kv-heads", "8", "--head-dim", "128"]) == 2
-    assert "give --memory" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert out == "" and err == "pagedkv plan: no GPU here to measure free memory; give --memory (e.g. --memory 40GiB)\n"
+
+
+PLAN_CASES = [
+    # (layers, heads, head_dim, block, --layer-dtypes, --layer-dims)
+    (80, 8, 128, 16, "bf16,bf16", None),
+    (80, 8, 128, 16, "bf16,fp8,bf16,bf16", None),
+    (6, 4, 64, 32, "turbo3,turbo3,turbo3,turbo3,turbo3,turbo3", None),
+    (5, 8, 128, 16, "fp8,fp8,nvfp4", "4x256,4x256"),
+    (3, 2, 256, 8, None, "8x128,8x128,8x128"),
+]
+
+
+@pytest.mark.parametrize("layers, heads, head_dim, block, layer_dtypes, layer_dims", PLAN_CASES)
+def test_every_plan_row_is_the_configs_bytes(capsys, layers, heads, head_dim, block, layer_dtypes, layer_dims):
+    memory = 40 * 2**30
+    argv = ["plan", "--layers", str(layers), "--kv-heads", str(heads), "--head-dim", str(head_dim),
+            "--block-size", str(block), "--memory", "40GiB"]
+    argv += ["--layer-dtypes", layer_dtypes] if layer_dtypes else []
+    argv += ["--layer-dims", layer_dims] if layer_dims else []
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert list(rows) == [str(d) for d in KvCacheDtype]
+    dims = tuple(tuple(int(x) for x in pair.split("x")) for pair in layer_dims.split(",")) if layer_dims else ()
+    for name, row in rows.items():
+        config = KvCacheConfig(block_size=block, num_kv_heads=heads, head_dim=head_dim, num_layers=layers,
+                               dtype=name, layer_dtypes=tuple(layer_dtypes.split(",")) if layer_dtypes else (),
+                               layer_dims=dims)
+        per_block = config.block_bytes_kv_all_layers()
+        assert row[2:5] == [f"{per_block / block:,.1f}", f"{memory // per_block:,}", f"{memory // per_block * block:,}"], name
+
+
+def test_plan_keeps_repeated_layer_formats_and_shows_them(capsys):
+    assert main(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--memory", "40GiB",
+                 "--dtype", "turbo4", "--layer-dtypes", "bf16,bf16"]) == 0
+    out = capsys.readouterr().out
+    # 2 bf16 layers (2 * 8 * 128 * 2 * 2 = 8192 B/token) + 78 turbo4 layers (2 * 1024 * 4.5 / 8 = 1152 each)
+    assert _rows(out)["turbo4"][2] == "98,048.0"
+    assert out.splitlines()[0].endswith("; layer formats 0-1 bf16, 2-79 the row's")
 
 
 def test_parsers():
@@ -79,6 +147,9 @@ def test_parsers():
     assert parse_dims("8x128, 4x256") == ((8, 128), (4, 256))
     assert parse_dtypes(["bf16,turbo4k3v", "bf16"]) == [KvCacheDtype.BF16, KvCacheDtype.TURBO4K_TURBO3V]
     assert parse_dtypes(None) == list(KvCacheDtype)
+    assert parse_layer_dtypes("bf16, bf16,fp8k3v") == (KvCacheDtype.BF16, KvCacheDtype.BF16, KvCacheDtype.FP8K_TURBO3V)
+    with pytest.raises(ValueError, match="empty format name in 'bf16,,fp8'"):
+        parse_layer_dtypes("bf16,,fp8")
     for bad in ("", "GiB", "-1GiB", "1 parsec"):
         with pytest.raises(ValueError, match="not a memory size"):
             parse_bytes(bad)
@@ -122,3 +193,108 @@ def test_parse_bytes_is_exact_and_refuses_less_than_a_byte():
     for bad in ("0", "0.1B", "0.0001KB"):
         with pytest.raises(ValueError, match="less than one byte"):
             parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad, named", [
+    (["--layers", "0"], "--layers: must be a positive integer, got '0'"),
+    (["--blocks", "-5"], "--blocks: must be a positive integer, got '-5'"),
+    (["--layers", "1000"], "--layers 1000 --blocks 128 need 7.81 GiB for the demo cache but the backend has 4.00 GiB free"),
+])
+def test_demo_bad_arguments_are_one_line_on_stderr_and_exit_2(monkeypatch, capsys, bad, named):
+    host = HostBackend(capacity_bytes=4 << 30)
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (host, "HostBackend"))
+    assert main(["demo", *bad]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("pagedkv demo: ") and named in err and err.count("\n") == 1, err
+    assert host.live_allocations() == 0
+
+
+def test_demo_skips_the_checks_that_need_a_failed_one(capsys):
+    assert main(["demo", "--layers", "2", "--blocks", "1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "  [FAIL] allocate and share: KvCacheExhausted: asked for 4 block(s) but 1 of 1 are free"
+    assert lines[3:6] == [
+        "  [skip] write and read back: needs 'allocate and share', which did not pass",
+        "  [skip] checksum diagnostics: needs 'write and read back', which did not pass",
+        "  [skip] poison and free: needs 'allocate and share', which did not pass",
+    ]
+    assert sum("[FAIL]" in line for line in lines) == 1 and not any("KeyError" in line for line in lines)
+    assert lines[-1].startswith("demo: 6 passed, 1 failed, 3 skipped")
+
+
+def test_demo_into_a_closed_pipe_ends_quietly():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write meets a closed pipe
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pagedkv", "demo", "--layers", "2", "--blocks", "16"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""
+    assert proc.returncode == 0
+
+
+def test_demo_runs_with_assertions_off():
+    proc = subprocess.run([sys.executable, "-O", "-m", "pagedkv", "demo", "--layers", "2", "--blocks", "16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("demo: 10 passed, 0 failed")
+
+
+def test_no_assert_statement_in_the_package():
+    root = pathlib.Path(pagedkv.__file__).parent
+    found = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Assert)
+    ]
+    assert found == []
+
+
+def test_help_exits_0_and_no_subcommand_exits_2(capsys):
+    assert main(["plan", "--help"]) == 0
+    assert "--layer-dtypes" in capsys.readouterr().out
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("pagedkv: ") and err.count("\n") == 1
+
+
+def test_main_leaves_structlog_as_it_found_it(capsys):
+    structlog.reset_defaults()
+    assert main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--memory", "1MiB"]) == 0
+    assert not structlog.is_configured()
+    structlog.configure(processors=[structlog.processors.JSONRenderer()])
+    assert main(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--memory", "1MiB"]) == 0
+    assert structlog.is_configured()
+    assert isinstance(structlog.get_config()["processors"][0], structlog.processors.JSONRenderer)
+
+
+class _OptimisticBackend(HostBackend):
+    """A HostBackend that reports more free memory than it has: the allocation itself fails."""
+
+    def mem_info(self):
+        return 1 << 40, 1 << 40
+
+
+def test_demo_cache_that_fails_to_allocate_is_a_usage_error_and_frees_what_it_took(monkeypatch, capsys):
+    host = _OptimisticBackend(capacity_bytes=8 << 20)
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (host, "HostBackend"))
+    assert main(["demo", "--layers", "4", "--blocks", "64"]) == 2  # 4 x 64 x 2 sides x 32 KiB = 16 MiB
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("pagedkv demo: --layers 4 --blocks 64: HostBackend out of memory") and err.count("\n") == 1, err
+    assert host.live_allocations() == 0
+
+
+def test_demo_reports_a_later_cache_that_does_not_fit_as_a_failed_check(monkeypatch, capsys):
+    host = HostBackend(capacity_bytes=8 << 20)  # the main cache (4 x 32 x 2 x 32 KiB) takes all of it
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (host, "HostBackend"))
+    assert main(["demo", "--layers", "4", "--blocks", "32"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "  [FAIL] prefix reuse: DeviceOutOfMemory: HostBackend out of memory: asked 524288 bytes (0.00 GiB), " \
+           "0 bytes (0.00 GiB) free of 8388608" in lines
+    assert "  [skip] fork and copy-on-write: needs 'prefix reuse', which did not pass" in lines
+    assert "  [ok]   nothing leaked: HostBackend reports 0 live allocations" in lines
+    assert host.live_allocations() == 0

@@ -80,7 +80,16 @@ def test_cli_prints_the_table(capsys):
 
 def test_cli_refuses_a_head_dim_the_grouped_formats_cannot_store(capsys):
     assert main(["quality", "--head-dim", "24"]) == 2
-    assert "--head-dim 24" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "pagedkv quality: --head-dim 24 is not a multiple of 16 (the grouped formats need it)\n"
+
+
+@pytest.mark.parametrize("bad", [["--tokens", "0"], ["--heads", "-2"], ["--seed", "-1"]])
+def test_cli_refuses_bad_sizes_in_one_line(capsys, bad):
+    assert main(["quality", *bad]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"pagedkv quality: argument {bad[0]}: ") and f"'{bad[1]}'" in err
 
 
 def test_bench_section_prints_the_same_table(capsys):

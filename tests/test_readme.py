@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -13,7 +15,7 @@ def _blocks(lang: str) -> list[str]:
 
 
 def test_readme_example_runs():
-    (example,) = _blocks("python")
+    example = _blocks("python")[0]
     namespace: dict = {}
     exec(compile(example, str(README), "exec"), namespace)
     cache, gpu = namespace["cache"], namespace["gpu"]
@@ -21,8 +23,42 @@ def test_readme_example_runs():
     assert gpu.live_allocations() == 0
 
 
+def test_readme_torch_example_runs():
+    pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[interop]'")
+    (example,) = _blocks("python")[1:]
+    namespace: dict = {}
+    exec(compile(example, str(README), "exec"), namespace)
+    assert namespace["cache"].num_blocks() == 0 and namespace["gpu"].live_allocations() == 0
+
+
 def test_readme_test_command_is_what_ci_runs():
     commands = [b.strip() for b in _blocks("")]
     assert commands[1] == ".venv/bin/python -m pytest -q"
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1] in ci
+
+
+def _command_line_section() -> str:
+    text = README.read_text()
+    return text[text.index("## Command line"):text.index("## Tests")]
+
+
+def test_readme_command_line_examples_do_what_it_says(monkeypatch, capsys):
+    from pagedkv import HostBackend
+    from pagedkv.cli import demo, main
+
+    monkeypatch.setattr(demo, "best_backend", lambda: (HostBackend(capacity_bytes=4 << 30), "HostBackend"))
+
+    section = _command_line_section()
+    (plan,) = re.findall(r"`pagedkv (plan [^`]*)`", section)
+    assert main(plan.split()) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:4] == ["bf16", "16", "16", "131,072.0"]
+    assert main(["--log-level", "debug", "plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "16",
+                 "--memory", "1MiB", "--dtype", "bf16"]) == 0
+    capsys.readouterr()
+    for bad in (["plan", "--layers", "0", "--kv-heads", "8", "--head-dim", "128", "--memory", "1GiB"],
+                ["plan", "--layers", "2", "--kv-heads", "8", "--head-dim", "100", "--dtype", "nvfp4", "--memory", "1GiB"],
+                ["demo", "--layers", "1000"]):
+        assert main(bad) == 2, bad
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1

@@ -15,9 +15,13 @@ from typing import Any
 
 from ..backend import DevicePtr, check_alloc_size, check_byte_count, check_fill_byte, host_bytes
 from ..errors import DeviceMemoryError
-from ._bindings import CU_STREAM_LEGACY
+from ..streams import is_stream_object, stream_handle
+from ._bindings import CU_STREAM_LEGACY, driver as _driver
 from .errors import check
 from .pinned import PinnedBuffer
+
+
+_EVENT_DISABLE_TIMING = 2
 
 
 def _gib(nbytes: int) -> str:
@@ -132,12 +136,46 @@ class MemoryAndCopies:
         check(driver.cuStreamDestroy(handle), "cuStreamDestroy")
 
     def _stream(self, stream: int) -> Any:
+        if is_stream_object(stream):  # another library's stream, named by __cuda_stream__
+            return self._any_stream(stream_handle(stream))
         if stream == 0:
             return CU_STREAM_LEGACY
         handle = self._streams.get(stream)
         if handle is None:
             raise ValueError(f"unknown stream {stream!r}")
         return handle
+
+    def _any_stream(self, handle: int) -> Any:
+        """The driver handle of stream `handle`: one of ours, 0 (the legacy default stream,
+        passed as CU_STREAM_LEGACY), or any other CUstream value of this context (1 legacy,
+        2 per-thread, or another library's stream)."""
+        if handle == 0:
+            return CU_STREAM_LEGACY
+        with self._lock:
+            ours = self._streams.get(handle)
+        if ours is not None:
+            return ours
+        return _driver.CUstream(handle)
+
+    def make_stream_wait(self, waiting: Any, on: Any) -> None:
+        """Make stream `waiting` (an int handle of any stream of this context, another
+        library's included, or a `__cuda_stream__` object) wait for the work enqueued so far
+        on stream `on` (one of this backend's): `cuEventRecord` on `on`, `cuStreamWaitEvent`
+        on `waiting`, then the event is destroyed (the wait stays). Nothing is enqueued when
+        both are the same stream (0 and 1 both name the legacy default stream)."""
+        producer = self._stream(on)
+        consumer = self._any_stream(stream_handle(waiting))
+        p, c = int(producer), int(consumer)
+        if p == c or {p, c} <= {0, 1}:
+            return
+        driver = self._enter()
+        event = check(driver.cuEventCreate(_EVENT_DISABLE_TIMING), "cuEventCreate")
+        try:
+            check(driver.cuEventRecord(event, producer), "cuEventRecord")
+            check(driver.cuStreamWaitEvent(consumer, event, 0), "cuStreamWaitEvent")
+        finally:
+            destroyed = driver.cuEventDestroy(event)
+        check(destroyed, "cuEventDestroy")
 
     def synchronize(self, stream: int) -> None:
         """Wait for the stream's work (`cuStreamSynchronize`)."""

@@ -9,26 +9,33 @@ releases everything. Each step is a check; the exit status is non-zero if any fa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
 import structlog
 
-from .backend import GpuBackend
-from .cache import POISON_BYTE, PagedKvCache
-from .config import KvCacheConfig
-from .host_backend import HostBackend, bf16_bytes_to_float64
-from .prefix_cache import PrefixCache
-from .sequence_table import SequenceTable
-from .teardown import Teardown
+from ..backend import GpuBackend
+from ..cache import POISON_BYTE, PagedKvCache
+from ..config import KvCacheConfig
+from ..errors import DeviceOutOfMemory
+from ..host_backend import HostBackend, bf16_bytes_to_float64
+from ..prefix_cache import PrefixCache
+from ..sequence_table import SequenceTable
+from ..teardown import Teardown
+from .args import UsageError, positive_int
+
+HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
+"""The demo cache's geometry per layer (BF16)."""
 
 
 def best_backend() -> tuple[GpuBackend, str]:
     """A CudaBackend when a CUDA GPU is usable, else a HostBackend; with a sentence saying which."""
     try:
-        from . import driver
+        from .. import driver
     except ImportError:
         driver = None
     is_available = getattr(driver, "is_available", None)
@@ -38,23 +45,61 @@ def best_backend() -> tuple[GpuBackend, str]:
     return HostBackend(capacity_bytes=4 << 30), "HostBackend (no CUDA GPU found: device memory emulated in host RAM)"
 
 
+class CheckFailed(Exception):
+    """A demo check found a wrong result (raised by `_expect`, so it holds under `python -O`)."""
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
 class Checks:
-    """Runs named checks, printing `[ok]` or `[FAIL]` with the reason, and counts them."""
+    """Runs named checks, printing `[ok]`, `[FAIL]` with the reason, or `[skip]` for a check
+    whose prerequisite did not pass, and counts them."""
 
     def __init__(self) -> None:
         self.passed = 0
         self.failed = 0
+        self.skipped = 0
+        self._not_passed: set[str] = set()
 
-    def run(self, name: str, check: Callable[[], str | None]) -> None:
-        """Run `check`; it returns a detail string, or raises/asserts on failure."""
+    def run(self, name: str, check: Callable[[], str | None], needs: tuple[str, ...] = ()) -> bool:
+        """Run `check` unless a check named in `needs` did not pass (then it is skipped); `check`
+        returns a detail string, or raises on failure. True when it ran and passed."""
+        missing = [need for need in needs if need in self._not_passed]
+        if missing:
+            self.skipped += 1
+            self._not_passed.add(name)
+            print(f"  [skip] {name}: needs {', '.join(repr(m) for m in missing)}, which did not pass")
+            return False
         try:
             detail = check()
         except Exception as err:  # noqa: BLE001 - a demo reports every failure and goes on
             self.failed += 1
+            self._not_passed.add(name)
             print(f"  [FAIL] {name}: {type(err).__name__}: {err}")
-            return
+            return False
         self.passed += 1
         print(f"  [ok]   {name}" + (f": {detail}" if detail else ""))
+        return True
+
+
+@contextlib.contextmanager
+def _captured_events() -> Iterator[list[dict]]:
+    """Every structlog event of the block, debug included, into a list; afterwards structlog's
+    configuration is what it was (left unconfigured if it was: structlog's capture_logs alone
+    would mark it configured and send later events to stdout)."""
+    was_configured = structlog.is_configured()
+    wrapper_class = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as events:
+            yield events
+    finally:
+        structlog.configure(wrapper_class=wrapper_class)
+        if not was_configured:
+            structlog.reset_defaults()
 
 
 def _bf16_block(rng: np.random.Generator, nbytes: int) -> np.ndarray:
@@ -73,8 +118,9 @@ def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Ch
             cache.inc_ref(block)
         cache.init_blocks(tables["a"] + tables["b"][2:], gpu, stream)
         shared = [cache.ref_count(b) for b in tables["a"][:2]]
-        assert shared == [2, 2], f"shared prefix counts {shared}, expected [2, 2]"
-        assert cache.num_free_blocks() == cache.num_blocks() - 6
+        _expect(shared == [2, 2], f"shared prefix counts {shared}, expected [2, 2]")
+        free = cache.num_free_blocks()
+        _expect(free == cache.num_blocks() - 6, f"{free} free blocks, expected {cache.num_blocks() - 6}")
         return f"seq a {tables['a']}, seq b {tables['b']} (2 blocks shared, count 2)"
 
     written: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -89,12 +135,12 @@ def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Ch
         gpu.synchronize(stream)
         for (layer, block), (k, v) in written.items():
             got_k, got_v = cache.read_block(layer, block, gpu)
-            assert np.array_equal(got_k, k) and np.array_equal(got_v, v), f"layer {layer} block {block} differs"
+            _expect(np.array_equal(got_k, k) and np.array_equal(got_v, v), f"layer {layer} block {block} differs")
         return f"{len(written)} (layer, block) pairs of random BF16 K and V read back byte-exact"
 
     def checksum() -> str:
         blocks = tables["a"]
-        with structlog.testing.capture_logs() as events:
+        with _captured_events() as events:
             cache.debug_kv_checksum_per_layer(blocks, 2, gpu, stream, tag="demo")
         events = [e for e in events if e["event"] == "kv_checksum"]
         for event in events:
@@ -103,8 +149,8 @@ def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Ch
             values = np.concatenate([bf16_bytes_to_float64(written[event["layer"], b][side]) for b in region])
             expected = (values.sum(), (values * values).sum(), np.abs(values).sum())
             got = (event["sum"], event["ssq"], event["sabs"])
-            assert np.allclose(got, expected, rtol=1e-12, atol=1e-9), f"{event}: expected {expected}"
-        assert len(events) == cache.num_layers() * 2 * 2, f"{len(events)} checksum events"
+            _expect(np.allclose(got, expected, rtol=1e-12, atol=1e-9), f"{event}: expected {expected}")
+        _expect(len(events) == cache.num_layers() * 2 * 2, f"{len(events)} checksum events")
         return f"{len(events)} kv_checksum events agree with float64 sums of the data written"
 
     def poison_and_free() -> str:
@@ -113,28 +159,27 @@ def _serving_cycle(cache: PagedKvCache, gpu: GpuBackend, stream: int, checks: Ch
         cache.poison_blocks(freed, gpu, stream)
         gpu.synchronize(stream)
         k, v = cache.read_block(cache.num_layers() - 1, freed[0], gpu)
-        assert (k == POISON_BYTE).all() and (v == POISON_BYTE).all(), "poisoned block not all 0xFF"
-        assert [cache.ref_count(b) for b in tables["a"][:2]] == [1, 1]
+        _expect((k == POISON_BYTE).all() and (v == POISON_BYTE).all(), "poisoned block not all 0xFF")
+        counts = [cache.ref_count(b) for b in tables["a"][:2]]
+        _expect(counts == [1, 1], f"shared prefix counts {counts} after b freed, expected [1, 1]")
         cache.free_blocks(tables["a"])
         cache.check_invariants()
-        assert cache.num_free_blocks() == cache.num_blocks(), "blocks leaked"
+        _expect(cache.num_free_blocks() == cache.num_blocks(), "blocks leaked")
         reused = cache.alloc_block()
-        assert reused == tables["a"][0], f"LIFO reuse gave {reused}"
+        _expect(reused == tables["a"][0], f"LIFO reuse gave {reused}")
         cache.free_block(reused)
         return "all blocks back on the free list, poisoned blocks read 0xFF, LIFO reuse"
 
     checks.run("allocate and share", allocate)
-    checks.run("write and read back", write_read)
-    checks.run("checksum diagnostics", checksum)
-    checks.run("poison and free", poison_and_free)
+    checks.run("write and read back", write_read, needs=("allocate and share",))
+    checks.run("checksum diagnostics", checksum, needs=("write and read back",))
+    checks.run("poison and free", poison_and_free, needs=("allocate and share",))
 
 
 def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
     """Prefix reuse and copy-on-write through SequenceTable and PrefixCache, with real KV."""
     config = KvCacheConfig(block_size=16, num_kv_heads=4, head_dim=64, num_layers=2, dtype="bf16")
-    cache = PagedKvCache(config, 64, gpu)
-    prefix = PrefixCache(cache)
-    table = SequenceTable(cache, prefix, gpu, stream)
+    cache = prefix = table = None  # built by the first check, so a failure to build is reported
     rng = np.random.default_rng(2)
     prompt = list(range(1000, 1072))  # 4.5 blocks
 
@@ -152,15 +197,20 @@ def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
         return np.array([blocks[p // 16] * 16 + p % 16 for p in range(start, stop)], dtype=np.int64)
 
     def reuse() -> str:
-        assert table.add("a", prompt) == 0
+        nonlocal cache, prefix, table
+        cache = PagedKvCache(config, 64, gpu)
+        prefix = PrefixCache(cache)
+        table = SequenceTable(cache, prefix, gpu, stream)
+        matched_a = table.add("a", prompt)
+        _expect(matched_a == 0, f"seq a matched {matched_a} tokens of an empty prefix cache")
         first = write_step("a")
         table.free("a")
-        assert prefix.num_cached_blocks() == 4, f"{prefix.num_cached_blocks()} blocks cached"
+        _expect(prefix.num_cached_blocks() == 4, f"{prefix.num_cached_blocks()} blocks cached")
         matched = table.add("b", prompt[:64] + list(range(9000, 9011)))
-        assert matched == 64, f"matched {matched} tokens, expected 64"
+        _expect(matched == 64, f"matched {matched} tokens, expected 64")
         for layer in range(config.num_layers):
             k, _ = cache.read_tokens(layer, slots_of("b", 0, 64), gpu)
-            assert np.array_equal(k, first[layer][:64]), f"layer {layer}: reused KV differs"
+            _expect(np.array_equal(k, first[layer][:64]), f"layer {layer}: reused KV differs")
         write_step("b")
         table.check_invariants()
         return f"seq b reused {matched} cached tokens of seq a; their KV reads back exactly"
@@ -170,26 +220,30 @@ def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
         table.fork("b", "c")
         shared = table.blocks("b")[-1]
         table.append("c", token_ids=[7])
-        assert table.blocks("c")[-1] != shared, "the partly filled block was not copied"
+        _expect(table.blocks("c")[-1] != shared, "the partly filled block was not copied")
         write_step("c")
         for layer in range(config.num_layers):
-            assert np.array_equal(cache.read_tokens(layer, slots_of("b", 64, 75), gpu)[0], before[layer])
-            assert np.array_equal(cache.read_tokens(layer, slots_of("c", 64, 75), gpu)[0], before[layer])
+            for seq_id in ("b", "c"):
+                k, _ = cache.read_tokens(layer, slots_of(seq_id, 64, 75), gpu)
+                _expect(np.array_equal(k, before[layer]), f"layer {layer}: seq {seq_id}'s tokens 64-74 changed")
         table.check_invariants()
         for seq_id in ("b", "c"):
             table.free(seq_id)
         evicted = prefix.evict(cache.num_blocks())
         table.check_invariants()
-        assert cache.num_free_blocks() == cache.num_blocks(), "blocks leaked"
+        _expect(cache.num_free_blocks() == cache.num_blocks(), "blocks leaked")
         return f"fork + append copied the shared last block; parent unchanged; {len(evicted)} cached blocks evicted"
 
     try:
         checks.run("prefix reuse", reuse)
-        checks.run("fork and copy-on-write", copy_on_write)
+        checks.run("fork and copy-on-write", copy_on_write, needs=("prefix reuse",))
     finally:
-        table.release(gpu)
-        prefix.close()
-        cache.release(gpu)
+        if table is not None:
+            table.release(gpu)
+        if prefix is not None:
+            prefix.close()
+        if cache is not None:
+            cache.release(gpu)
 
 
 def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
@@ -203,13 +257,13 @@ def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
         try:
             sizes = [(cache.k_block_stride_bytes_for_layer(i), cache.v_block_stride_bytes_for_layer(i)) for i in range(4)]
             expected = [(32768, 32768), (16384, 9216), (9216, 9216), (9216, 7168)]
-            assert sizes == expected, f"per-layer K/V block bytes {sizes}, expected {expected}"
+            _expect(sizes == expected, f"per-layer K/V block bytes {sizes}, expected {expected}")
             block = cache.alloc_block()
             cache.zero_block(block, gpu, stream)
             payload = np.arange(cache.v_block_stride_bytes_for_layer(3), dtype=np.uint32).astype(np.uint8)
             cache.write_block(3, block, None, payload, gpu)
             _, v = cache.read_block(3, block, gpu)
-            assert np.array_equal(v, payload), "hybrid V block differs"
+            _expect(np.array_equal(v, payload), "hybrid V block differs")
         finally:
             cache.release(gpu)
         return "K/V block bytes per layer " + ", ".join(f"{k}/{v}" for k, v in sizes)
@@ -231,7 +285,7 @@ def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
                 for side, (sent, back) in zip("KV", ((k, k_back), (v, v_back))):
                     fmt = config.dtype_for_layer(layer).kv_pair()["KV".index(side)]
                     rel = float(np.mean((back[keep] - sent[keep]) ** 2) / np.mean(sent[keep] ** 2))
-                    assert rel < _MAX_REL_MSE[str(fmt)], f"layer {layer} {side} ({fmt}): relative MSE {rel:.4f}"
+                    _expect(rel < _MAX_REL_MSE[str(fmt)], f"layer {layer} {side} ({fmt}): relative MSE {rel:.4f}")
                     errors.append(f"{fmt} {rel:.1e}")
         finally:
             cache.release(gpu)
@@ -245,44 +299,70 @@ def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
 _MAX_REL_MSE = {"bf16": 1e-4, "fp8": 3e-3, "nvfp4": 0.03, "turbo4": 0.02, "turbo3": 0.075, "turbo2": 0.4, "turbo8": 3e-3}
 
 
+def demo_cache_bytes(layers: int, blocks: int) -> int:
+    """Device bytes of the demo's main cache: `layers` x `blocks` BF16 blocks of K and V."""
+    return layers * blocks * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 2
+
+
+def _check_room(gpu: GpuBackend, layers: int, blocks: int) -> None:
+    needed, (free, _) = demo_cache_bytes(layers, blocks), gpu.mem_info()
+    if needed > free:
+        raise UsageError(
+            f"--layers {layers} --blocks {blocks} need {needed / 2**30:.2f} GiB for the demo cache "
+            f"but the backend has {free / 2**30:.2f} GiB free; give fewer --layers or --blocks"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns 0 when every check passed, 1 otherwise."""
+    """Run the demo; returns 0 when every check passed, 1 otherwise. UsageError (before any
+    check runs) when the cache asked for does not fit the backend."""
     started = time.perf_counter()
     gpu, which = best_backend()
-    print(f"pagedkv demo on {which}")
-    config = KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=128, num_layers=args.layers, dtype="bf16")
-    stream = gpu.default_stream()
     checks = Checks()
     teardown = Teardown()
-    cache = PagedKvCache(config, args.blocks, gpu)
-    teardown.push(cache)
-    print(
-        f"cache: {config.num_layers} layers x {args.blocks} blocks of {config.block_size} tokens, bf16, "
-        f"{config.block_bytes_kv_all_layers() * args.blocks / 2**20:.1f} MiB"
-    )
     try:
-        _serving_cycle(cache, gpu, stream, checks)
-        _sequences(gpu, stream, checks)
-        _hybrid_cache(gpu, stream, checks)
+        _check_room(gpu, args.layers, args.blocks)
+        config = KvCacheConfig(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                               num_layers=args.layers, dtype="bf16")
+        try:
+            cache = PagedKvCache(config, args.blocks, gpu)
+        except DeviceOutOfMemory as err:
+            raise UsageError(f"--layers {args.layers} --blocks {args.blocks}: {err}") from None
+        teardown.push(cache)
+        print(f"pagedkv demo on {which}")
+        print(
+            f"cache: {config.num_layers} layers x {args.blocks} blocks of {config.block_size} tokens, bf16, "
+            f"{config.block_bytes_kv_all_layers() * args.blocks / 2**20:.1f} MiB"
+        )
+        stream = gpu.default_stream()
+        try:
+            _serving_cycle(cache, gpu, stream, checks)
+            _sequences(gpu, stream, checks)
+            _hybrid_cache(gpu, stream, checks)
+        finally:
+            checks.run("teardown", lambda: teardown.release_all(gpu))
+            if isinstance(gpu, HostBackend):
+                checks.run("nothing leaked", lambda: _no_leak(gpu))
     finally:
-        checks.run("teardown", lambda: teardown.release_all(gpu))
-        if isinstance(gpu, HostBackend):
-            checks.run("nothing leaked", lambda: _no_leak(gpu))
         close = getattr(gpu, "close", None)
         if close is not None:
             close()
-    print(f"demo: {checks.passed} passed, {checks.failed} failed in {time.perf_counter() - started:.2f} s")
-    return 1 if checks.failed else 0
+    print(
+        f"demo: {checks.passed} passed, {checks.failed} failed, {checks.skipped} skipped "
+        f"in {time.perf_counter() - started:.2f} s"
+    )
+    return 1 if checks.failed or checks.skipped else 0
 
 
 def _no_leak(gpu: HostBackend) -> str:
-    assert gpu.live_allocations() == 0, f"{gpu.live_allocations()} allocations ({gpu.live_bytes()} bytes) live"
+    live = gpu.live_allocations()
+    _expect(live == 0, f"{live} allocations ({gpu.live_bytes()} bytes) live")
     return "HostBackend reports 0 live allocations"
 
 
 def register(subparsers) -> None:
     """Add the `demo` subcommand."""
     p = subparsers.add_parser("demo", help="run the main job end to end with checks")
-    p.add_argument("--layers", type=int, default=8, help="layers of the demo cache (default 8)")
-    p.add_argument("--blocks", type=int, default=128, help="blocks of the demo cache (default 128)")
+    p.add_argument("--layers", type=positive_int, default=8, help="layers of the demo cache (default 8)")
+    p.add_argument("--blocks", type=positive_int, default=128, help="blocks of the demo cache (default 128)")
     p.set_defaults(func=run)

@@ -1,0 +1,69 @@
+"""The command line's terminal: a stdout that ends quietly when its reader has gone, and
+pagedkv's events rendered on stderr."""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+
+from ..log import LEVELS, STDERR_PROCESSORS, StderrLogger
+
+
+class QuietClosedPipe:
+    """Stands in for a text stream (stdout): once a write or flush meets a closed pipe
+    (`pagedkv demo | head -1`), `reader_gone` is set and later output is dropped, so the
+    command finishes its cleanup and exits without a BrokenPipeError. The stream's file
+    descriptor is pointed at the null device then, so the interpreter's last flush at exit
+    has nothing left to fail on."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        """Write `text` unless the reader has gone; returns its length either way."""
+        if not self.reader_gone:
+            try:
+                self._stream.write(text)
+            except BrokenPipeError:
+                self._drop_output()
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush unless the reader has gone."""
+        if not self.reader_gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop_output()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def _drop_output(self) -> None:
+        self.reader_gone = True
+        try:
+            fd = self._stream.fileno()
+        except (OSError, ValueError, AttributeError):
+            return  # not backed by a file descriptor (captured output): nothing left to fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+
+
+def log_to_stderr(level: str) -> bool:
+    """Configure structlog, as an application does, to render every event from `level` up
+    on stderr, and return True; an application that configured structlog already keeps its
+    configuration (False)."""
+    if structlog.is_configured():
+        return False
+    structlog.configure(
+        processors=list(STDERR_PROCESSORS),
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        logger_factory=lambda *args: StderrLogger(),
+        cache_logger_on_first_use=False,
+    )
+    return True

@@ -1,0 +1,30 @@
+"""`pagedkv quality`: the bits and accuracy table of every storage format (pagedkv.quality)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..quality import describe, format_table, quality_table
+from .args import UsageError, non_negative_int, positive_int
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the quality table for the sizes in `args`; UsageError for a head_dim the grouped
+    formats cannot store."""
+    if args.head_dim % 16:
+        raise UsageError(f"--head-dim {args.head_dim} is not a multiple of 16 (the grouped formats need it)")
+    print(describe(args.tokens, args.heads, args.head_dim, args.seed))
+    print(format_table(quality_table(args.tokens, args.heads, args.head_dim, args.seed)))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add the `quality` subcommand."""
+    parser = subparsers.add_parser("quality", help="bits per element and accuracy of every format",
+                                   description="Bits per element and accuracy of every storage format on seeded "
+                                               "synthetic KV shaped like a real model's.")
+    parser.add_argument("--tokens", type=positive_int, default=512, help="tokens of synthetic KV (default 512)")
+    parser.add_argument("--heads", type=positive_int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--head-dim", type=positive_int, default=128, help="head size, a multiple of 16 (default 128)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    parser.set_defaults(func=run)

@@ -1,0 +1,303 @@
+"""Tensor views of pagedkv memory: a layer's K or V pool, and device-side table exports.
+
+A `PoolView` describes one pool as a tensor, zero copy, for DLPack consumers (and
+`__cuda_array_interface__` v3 where its typestr can express the dtype):
+
+- bf16 side: `(num_blocks, block_size, num_kv_heads, head_dim)` bfloat16 (NHD blocks);
+- fp8 side: the same shape in float8_e4m3fn (the per-tensor scale lives outside the cache);
+- packed side (nvfp4, turbo*): uint8 `(num_blocks, side_block_bytes)`, with `data_view()`
+  `(num_blocks, block_size, row_data_bytes)` and `scale_view()` `(num_blocks, block_size,
+  groups_per_row * scale_bytes)` as strided views of the same memory (docs/FORMATS.md).
+
+On HostBackend the device is kDLCPU and the tensor is the backend's own host memory; on
+CudaBackend it is kDLCUDA with the device ordinal. A view is valid while the cache is:
+exporting after `cache.release` raises, and a consumer's tensor must not outlive the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .backend import DevicePtr
+from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, DlpackProducer, TensorSpec
+from .dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
+from .host_backend import HostBackend
+from .streams import stream_handle
+
+NUMPY_DTYPES = {
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+"""The numpy (ml_dtypes) dtype of each DLPack dtype name a view can carry."""
+
+CAI_TYPESTRS = {"uint8": "|u1", "int32": "<i4", "int64": "<i8"}
+"""`__cuda_array_interface__` typestrs; bfloat16 and float8_e4m3fn have none."""
+
+_ELEMENT_DTYPES = {KvCacheDtype.BF16: "bfloat16", KvCacheDtype.FP8: "float8_e4m3fn"}
+
+
+def dlpack_device_of(gpu: Any) -> tuple[int, int]:
+    """`(kDLCPU, 0)` for a HostBackend, `(kDLCUDA, gpu.device_ordinal)` for a CUDA backend;
+    TypeError for anything else."""
+    if isinstance(gpu, HostBackend):
+        return (KDL_CPU, 0)
+    ordinal = getattr(gpu, "device_ordinal", None)
+    if isinstance(ordinal, int) and not isinstance(ordinal, bool):
+        return (KDL_CUDA, ordinal)
+    raise TypeError(f"cannot tell the DLPack device of backend {type(gpu).__name__}: no device_ordinal")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a view's elements are: byte offset in the pool, dtype, shape, strides in bytes."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def _strided(memory: np.ndarray, layout: _Layout, writeable: bool) -> np.ndarray:
+    """`layout` over the uint8 array `memory` (no copy)."""
+    dtype = NUMPY_DTYPES[layout.dtype]
+    typed = memory[layout.offset:]
+    typed = typed[: typed.size - typed.size % dtype.itemsize].view(dtype)
+    return np.lib.stride_tricks.as_strided(typed, shape=layout.shape, strides=layout.strides, writeable=writeable)
+
+
+class _MemoryExport(DlpackProducer):
+    """What pool views and device table exports share: memory at `_address()` of `_extent()`
+    bytes on `gpu`, produced on `stream`, laid out by `_layout()`."""
+
+    _gpu: Any
+    _stream: Any
+    _readonly: bool = False
+
+    def _address(self) -> DevicePtr:  # pragma: no cover - subclasses define it
+        raise NotImplementedError
+
+    def _extent(self) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def _layout(self) -> _Layout:  # pragma: no cover
+        raise NotImplementedError
+
+    def _device(self) -> tuple[int, int]:
+        return dlpack_device_of(self._gpu)
+
+    def _tensor_spec(self) -> TensorSpec:
+        layout, base = self._layout(), self._address()
+        itemsize = NUMPY_DTYPES[layout.dtype].itemsize
+        strides = tuple(s // itemsize for s in layout.strides)
+        if isinstance(self._gpu, HostBackend):
+            memory = self._gpu.view(base, self._extent())  # raises once the memory is freed
+            return TensorSpec(
+                memory.__array_interface__["data"][0], layout.offset, (KDL_CPU, 0),
+                layout.shape, strides, layout.dtype, self._readonly, owner=memory,
+            )
+        return TensorSpec(int(base), layout.offset, self._device(), layout.shape, strides, layout.dtype,
+                          self._readonly, owner=self)
+
+    def _host_copy(self) -> tuple[np.ndarray, str]:
+        layout, base = self._layout(), self._address()
+        raw = np.empty(self._extent(), dtype=np.uint8)
+        self._gpu.copy_d2h(base, raw)
+        return np.array(_strided(raw, layout, writeable=False)), layout.dtype
+
+    def _consumer_waits(self, handle: int) -> None:
+        self._gpu.make_stream_wait(handle, self._stream)
+
+    def host_array(self) -> np.ndarray:
+        """On HostBackend, the view as a numpy array over the backend's memory (zero copy;
+        bfloat16 / float8_e4m3fn from ml_dtypes); TypeError on a CUDA backend."""
+        if not isinstance(self._gpu, HostBackend):
+            raise TypeError("host_array() needs a HostBackend; use DLPack (e.g. torch.from_dlpack) on CUDA")
+        layout = self._layout()
+        return _strided(self._gpu.view(self._address(), self._extent()), layout, writeable=not self._readonly)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return self._layout().shape
+
+    @property
+    def dtype(self) -> str:
+        """The tensor's DLPack dtype name: bfloat16, float8_e4m3fn, uint8, int32 or int64."""
+        return self._layout().dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The tensor's strides, in elements."""
+        layout = self._layout()
+        return tuple(s // NUMPY_DTYPES[layout.dtype].itemsize for s in layout.strides)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA Array Interface v3 of a CUDA view whose dtype has a typestr (uint8, int32,
+        int64). bfloat16 and float8_e4m3fn have no CAI typestr, and host views are not
+        CUDA memory: both raise AttributeError (use DLPack). `stream` is the producing
+        stream the consumer must order after (1 for pagedkv's default stream 0)."""
+        if self._device()[0] != KDL_CUDA:
+            raise AttributeError("__cuda_array_interface__ exists only on CUDA views; this one is host memory")
+        layout = self._layout()
+        typestr = CAI_TYPESTRS.get(layout.dtype)
+        if typestr is None:
+            raise AttributeError(f"{layout.dtype} has no __cuda_array_interface__ typestr: use __dlpack__")
+        handle = stream_handle(self._stream)
+        return {
+            "shape": layout.shape,
+            "typestr": typestr,
+            "data": (int(self._address()) + layout.offset, self._readonly),
+            "strides": layout.strides,
+            "version": 3,
+            "stream": STREAM_LEGACY if handle == 0 else handle,
+        }
+
+
+class PoolView(_MemoryExport):
+    """One layer's K or V pool as a tensor (see the module docstring for shapes). Made by
+    `PagedKvCache.k_view` / `v_view`; `part` is "pool", "data" or "scale"."""
+
+    def __init__(self, cache, layer: int, side: str, gpu: Any, stream: Any = 0,
+                 readonly: bool = False, part: str = "pool"):
+        if side not in ("K", "V"):
+            raise ValueError(f"side must be 'K' or 'V', got {side!r}")
+        if part not in ("pool", "data", "scale"):
+            raise ValueError(f"part must be 'pool', 'data' or 'scale', got {part!r}")
+        if not isinstance(readonly, bool):
+            raise ValueError(f"readonly must be a bool, got {readonly!r}")
+        stream_handle(stream)  # validates; the object itself is kept for the backend
+        dlpack_device_of(gpu)
+        config = cache.config()
+        self._layer_index = config._check_layer(layer)
+        if side == "V" and config.v_aliases_k:
+            side = "K"
+        self._cache, self._side, self._gpu, self._stream = cache, side, gpu, stream
+        self._readonly, self._part = readonly, part
+        self._geometry: _Layout | None = None  # fixed for the cache's life
+        k_fmt, v_fmt = config.dtype_for_layer(self._layer_index).kv_pair()
+        self._fmt = k_fmt if side == "K" else v_fmt
+        if part == "scale" and side_scale_bytes(self._fmt, 16) == 0:
+            raise ValueError(f"layer {layer} {side} side is {self._fmt}: it has no scale section")
+
+    @property
+    def layer(self) -> int:
+        """The layer this view shows."""
+        return self._layer_index
+
+    @property
+    def side(self) -> str:
+        """"K" or "V" ("K" for the V view of a cache whose V aliases K)."""
+        return self._side
+
+    @property
+    def format(self) -> KvCacheDtype:
+        """The side format stored in this pool."""
+        return self._fmt
+
+    def data_view(self) -> "PoolView":
+        """The data sections, uint8 `(num_blocks, block_size, row_data_bytes)`, same memory."""
+        return PoolView(self._cache, self._layer_index, self._side, self._gpu, self._stream, self._readonly, "data")
+
+    def scale_view(self) -> "PoolView":
+        """The scale sections, uint8 `(num_blocks, block_size, groups_per_row * scale_bytes)`,
+        same memory; ValueError for bf16 and fp8, which have none."""
+        return PoolView(self._cache, self._layer_index, self._side, self._gpu, self._stream, self._readonly, "scale")
+
+    def _address(self) -> DevicePtr:
+        layer = self._layer_index
+        return self._cache.k_pool_ptr(layer) if self._side == "K" else self._cache.v_pool_ptr(layer)
+
+    def _stride(self) -> int:
+        layer = self._layer_index
+        if self._side == "K":
+            return self._cache.k_block_stride_bytes_for_layer(layer)
+        return self._cache.v_block_stride_bytes_for_layer(layer)
+
+    def _extent(self) -> int:
+        return self._cache.num_blocks() * self._stride()
+
+    def _layout(self) -> _Layout:
+        self._address()  # raises KvCacheError once the cache is released
+        if self._geometry is None:
+            self._geometry = self._compute_layout()
+        return self._geometry
+
+    def _compute_layout(self) -> _Layout:
+        config = self._cache.config()
+        heads, head_dim = config.dims_for_layer(self._layer_index)
+        blocks, block_size, stride = self._cache.num_blocks(), config.block_size, self._stride()
+        n, fmt = heads * head_dim, self._fmt
+        if self._part == "data":
+            row = side_data_bytes(fmt, n)
+            return _Layout(0, "uint8", (blocks, block_size, row), (stride, row, 1))
+        if self._part == "scale":
+            row = side_scale_bytes(fmt, n)
+            return _Layout(side_data_bytes(fmt, block_size * n), "uint8", (blocks, block_size, row), (stride, row, 1))
+        element = _ELEMENT_DTYPES.get(fmt)
+        if element is None:
+            return _Layout(0, "uint8", (blocks, side_bytes(fmt, block_size * n)), (stride, 1))
+        size = NUMPY_DTYPES[element].itemsize
+        return _Layout(0, element, (blocks, block_size, heads, head_dim),
+                       (stride, n * size, head_dim * size, size))
+
+    def __repr__(self) -> str:
+        return (f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, "
+                f"{self.dtype}{list(self.shape)})")
+
+
+class DeviceArrayPtr(DevicePtr, _MemoryExport):
+    """A DevicePtr to a table export in a backend buffer that also knows the array's dtype
+    and shape, so it is a DLPack producer (and a CAI v3 one on CUDA). It stays valid until
+    the table's next export of the same kind, which may move the buffer."""
+
+    def __new__(cls, address: int, host: np.ndarray, gpu: Any, stream: Any = 0) -> "DeviceArrayPtr":
+        self = super().__new__(cls, address)
+        name = host.dtype.name
+        if name not in CAI_TYPESTRS:
+            raise TypeError(f"a table export must be int32, int64 or uint8, got {name}")
+        dlpack_device_of(gpu)
+        self._shape, self._dtype_name, self._gpu, self._stream = tuple(host.shape), name, gpu, stream
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def _address(self) -> DevicePtr:
+        return DevicePtr(int(self))
+
+    def _extent(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64)) * NUMPY_DTYPES[self._dtype_name].itemsize
+
+    def _layout(self) -> _Layout:
+        size = NUMPY_DTYPES[self._dtype_name].itemsize
+        strides = tuple(int(s) for s in np.cumprod((1,) + self._shape[:0:-1])[::-1] * size) if self._shape else ()
+        return _Layout(0, self._dtype_name, self._shape, strides)
+
+
+def export_dlpack(export, **kwargs):
+    """`Exported.__dlpack__`: the device array when the table has a backend, else the host
+    array; a page table (three arrays) raises TypeError pointing at its fields."""
+    return _export_source(export).__dlpack__(**kwargs)
+
+
+def export_dlpack_device(export) -> tuple[int, int]:
+    """`Exported.__dlpack_device__`: the device of what `export_dlpack` exports."""
+    return _export_source(export).__dlpack_device__()
+
+
+def _export_source(export):
+    source = export.host if export.device is None else export.device
+    if isinstance(source, tuple):
+        where = "host" if export.device is None else "device"
+        raise TypeError(
+            f"a page table export is three tensors: take export.{where}.indptr, .indices and .last_page_len"
+        )
+    return source
