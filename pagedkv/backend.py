@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .validate import as_int, non_negative_int, positive_int
+from .validate import as_int, index_in_range, non_negative_int, positive_int
 
 
 class DevicePtr(int):
@@ -48,7 +48,8 @@ NULL = DevicePtr(0)
 
 
 class Bf16Stats(NamedTuple):
-    """Sum, sum of squares and sum of absolute values of BF16 values, accumulated in float64."""
+    """Sum, sum of squares and sum of absolute values of BF16 values: each the correctly
+    rounded float64 of the exact result (see pagedkv.exact_sum for non-finite inputs)."""
 
     sum: float
     ssq: float
@@ -139,6 +140,21 @@ def check_fill_byte(value: Any) -> int:
     return int(value)
 
 
+def check_bf16_row(regions: "BlockRegions", region: Any) -> tuple[int, int, int, int]:
+    """`(region, base, stride, nbytes)` of the row a BF16 reduction reads, after checking
+    the index and that the base, the stride and the block size are all even (2-byte loads
+    at odd addresses are misaligned on a GPU); IndexError/ValueError name the bad value."""
+    region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
+    base, stride, nbytes = (int(regions.bases[region]), int(regions.strides[region]), int(regions.nbytes[region]))
+    if nbytes % 2:
+        raise ValueError(f"region {region} has an odd block size {nbytes}: not BF16")
+    if base % 2:
+        raise ValueError(f"region {region} has an odd base address {base:#x}: BF16 values must start on 2 bytes")
+    if stride % 2:
+        raise ValueError(f"region {region} has an odd block stride {stride}: BF16 blocks must start on 2 bytes")
+    return region, base, stride, nbytes
+
+
 def check_copy_pairs(src: np.ndarray, dst: np.ndarray) -> None:
     """Refuse block-copy pairs a parallel copy would race on: unequal lengths, a repeated
     destination, a block that is both a source and a destination."""
@@ -187,6 +203,11 @@ class GpuBackend(Protocol):
         """Wait until all work enqueued on `stream` has finished."""
         ...
 
+    def synchronize_all(self) -> None:
+        """Wait until the work enqueued on every stream of this backend has finished (call
+        it before freeing memory that queued work may still touch)."""
+        ...
+
     def default_stream(self) -> int:
         """The handle of the default stream."""
         ...
@@ -228,5 +249,7 @@ class GpuBackend(Protocol):
         self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int
     ) -> Bf16Stats:
         """Sum, sum of squares and sum of |x| over the BF16 values of the listed blocks of
-        region `region`, in float64, deterministic; returns when the result is on the host."""
+        region `region`, each exact then rounded once to float64 (pagedkv.exact_sum), so
+        identical on every backend and grid; the row's base, stride and block size must be
+        even. Returns when the result is on the host."""
         ...

@@ -19,14 +19,16 @@ from .backend import (
     DevicePtr,
     as_block_array,
     check_alloc_size,
+    check_bf16_row,
     check_byte_count,
     check_copy_pairs,
     check_fill_byte,
     host_bytes,
 )
 from .errors import DeviceMemoryError, DeviceOutOfMemory
+from .exact_sum import bf16_stats
 from .streams import stream_handle
-from .validate import index_in_range, positive_int
+from .validate import positive_int
 
 ALIGNMENT = 256
 """Every HostBackend allocation starts on a multiple of this many bytes."""
@@ -147,6 +149,9 @@ class HostBackend:
         """Nothing to wait for (work runs at once); validates the handle."""
         self._check_stream(stream)
 
+    def synchronize_all(self) -> None:
+        """Nothing to wait for (work runs at once): every stream is always synchronised."""
+
     # -- copies and memset ----------------------------------------------------------
 
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
@@ -217,17 +222,15 @@ class HostBackend:
     def reduce_bf16_blocks(
         self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int
     ) -> Bf16Stats:
-        """Float64 sum, sum of squares and sum of |x| of the BF16 values in the listed blocks."""
+        """Exact sum, sum of squares and sum of |x| of the BF16 values in the listed blocks,
+        each rounded once to float64 (pagedkv.exact_sum); the row must be BF16-aligned."""
         self._check_stream(stream)
-        region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
-        if int(regions.nbytes[region]) % 2:
-            raise ValueError(f"region {region} has an odd block size {int(regions.nbytes[region])}: not BF16")
+        region, _, _, _ = check_bf16_row(regions, region)
         idx = as_block_array(blocks)
         if idx.size == 0:
             return Bf16Stats(0.0, 0.0, 0.0)
         raw = np.ascontiguousarray(self._region_blocks(regions, region, idx)[idx])
-        values = bf16_bytes_to_float64(raw)
-        return Bf16Stats(float(values.sum()), float((values * values).sum()), float(np.abs(values).sum()))
+        return bf16_stats(raw.view("<u2"))
 
 
 def bf16_bytes_to_float64(raw: np.ndarray) -> np.ndarray:

@@ -76,9 +76,12 @@ class KvPools:
     def release(self, gpu: GpuBackend) -> None:
         """Free the region table and every pool on `gpu`, which must be the backend that
         allocated them (KvCacheError before anything is forgotten otherwise). Every free is
-        attempted; what failed stays recorded and the first error is raised, so a second
-        call retries just those. A call with nothing left to free does nothing."""
+        attempted, after every stream of `gpu` has finished its queued work; what failed
+        stays recorded and the first error is raised, so a second call retries just those.
+        A call with nothing left to free does nothing."""
         self.check_backend(gpu)
+        if self._owned or self._regions is not None:
+            gpu.synchronize_all()  # queued work on any stream may still touch the pools
         self._live = False
         self._k_pools, self._v_pools = [], []
         self._free_owned(gpu, raise_first=True)

@@ -1,6 +1,7 @@
 """CudaBackend on a real NVIDIA GPU: every kernel against HostBackend on the same random
-data (byte-exact for fill and copy; the reductions equal to float64 sums computed on the
-host, and bit-identical from run to run), out-of-memory, streams, pinned copies, threads.
+data (byte-exact for fill and copy, blocks starting anywhere; the reductions exactly equal
+to the host's and to math.fsum, on any data, from run to run and grid to grid),
+out-of-memory, streams, pinned copies, threads.
 Skipped with a reason on machines without a GPU; run them with `pytest -m cuda`."""
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def host():
     return HostBackend(capacity_bytes=1 << 30)
 
 
-# (block bytes, stride) per region: 16-byte aligned rows take the vector path, the others
-# the byte path (odd sizes, strides that are not multiples of 16)
-ROW_SHAPES = [(65536, 65536), (4096, 4096), (1000, 1008), (777, 800), (6, 24), (4096, 4112)]
+# (block bytes, stride, base offset) per region: blocks starting on 16 bytes, and blocks
+# starting elsewhere (odd sizes, strides that are not multiples of 16, offset bases) whose
+# heads are peeled before the vector body; copies between blocks of different skews
+ROW_SHAPES = [
+    (65536, 65536, 0), (4096, 4096, 0), (1000, 1008, 0), (777, 800, 0), (6, 24, 0), (4096, 4112, 0),
+    (4096, 4096, 6), (5000, 5003, 1), (300, 301, 9), (33, 40, 15), (4098, 4100, 2),
+]
 NUM_BLOCKS = 40
 
 
@@ -47,15 +52,15 @@ class Mirrored:
         self.cuda, self.host = cuda, host
         self.pools = []
         g_rows, h_rows = [], []
-        for nbytes, stride in shapes:
-            size = stride * num_blocks
+        for nbytes, stride, offset in shapes:
+            size = stride * num_blocks + offset + 16  # guard bytes after the last block
             data = rng.integers(0, 256, size, dtype=np.uint8)
             g, h = cuda.alloc(size), host.alloc(size)
             cuda.copy_h2d(data, g)
             host.copy_h2d(data, h)
             self.pools.append((g, h, size))
-            g_rows.append((int(g), stride, nbytes))
-            h_rows.append((int(h), stride, nbytes))
+            g_rows.append((int(g) + offset, stride, nbytes))
+            h_rows.append((int(h) + offset, stride, nbytes))
         self.g_regions = cuda.create_block_regions(g_rows)
         self.h_regions = host.create_block_regions(h_rows)
 
@@ -137,6 +142,45 @@ def test_reduce_bf16_equals_host_float64_sums(cuda, host, num_blocks):
         host.free(h)
 
 
+def adversarial_bf16_bits(rng, count: int) -> np.ndarray:
+    """Finite BF16 bit patterns a float64 accumulation gets wrong: random bits over every
+    exponent, +-max finite pairs that cancel, every subnormal."""
+    bits = rng.integers(0, 1 << 16, count, dtype=np.uint16)
+    bits[((bits >> 7) & 0xFF) == 0xFF] = 0x0003
+    bits[: 4] = (0x7F7F, 0xFF7F, 0xFF7F, 0x7F7F)
+    bits[100 : 100 + 127] = np.arange(1, 128, dtype=np.uint16)
+    return bits
+
+
+@pytest.mark.parametrize("offset", [0, 2, 6, 14])
+def test_reduce_bf16_is_exact_on_adversarial_data_and_unaligned_blocks(cuda, host, offset):
+    """The exact checksum: equal to math.fsum over the float64 values and squares, with
+    blocks starting on every even offset from a 16-byte boundary (the u16 head path)."""
+    import math
+
+    rng = np.random.default_rng(offset)
+    block_bytes, stride, num_blocks = 2054, 2070, 300
+    bits = adversarial_bf16_bits(rng, (stride * num_blocks + offset + 16) // 2)
+    g, h = cuda.alloc(bits.nbytes), host.alloc(bits.nbytes)
+    try:
+        cuda.copy_h2d(bits, g)
+        host.copy_h2d(bits, h)
+        g_regions = cuda.create_block_regions([(int(g) + offset, stride, block_bytes)])
+        h_regions = host.create_block_regions([(int(h) + offset, stride, block_bytes)])
+        blocks = rng.permutation(num_blocks)[:257]
+        got = cuda.reduce_bf16_blocks(g_regions, 0, blocks, 0)
+        raw = bits.view(np.uint8)
+        x = np.concatenate([
+            raw[offset + b * stride : offset + b * stride + block_bytes].view(np.uint16) for b in blocks
+        ]).view(ml_dtypes.bfloat16).astype(np.float64).tolist()
+        assert got == (math.fsum(x), math.fsum(v * v for v in x), math.fsum(abs(v) for v in x))
+        assert got == host.reduce_bf16_blocks(h_regions, 0, blocks, 0)
+        cuda.destroy_block_regions(g_regions)
+    finally:
+        cuda.free(g)
+        host.free(h)
+
+
 def test_reduce_bf16_is_bit_identical_run_to_run(cuda, host):
     rng = np.random.default_rng(9)
     values = rng.normal(scale=3.0, size=2000 * 2048).astype(ml_dtypes.bfloat16)  # not exactly summable
@@ -153,7 +197,7 @@ def test_reduce_bf16_is_bit_identical_run_to_run(cuda, host):
         assert len(runs) == 1, runs
         (got,) = runs
         want = host.reduce_bf16_blocks(h_regions, 0, blocks, 0)
-        assert np.allclose(got, want, rtol=1e-12, atol=0), (got, want)
+        assert got == want, (got, want)
         cuda.destroy_stream(stream)
         cuda.destroy_block_regions(g_regions)
     finally:

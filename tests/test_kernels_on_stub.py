@@ -31,7 +31,7 @@ def test_kernel_parameters_match_the_ctypes_structures(stub_env):
         STUB.stub_kernel_params.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         checked = 0
         for filename, kernels in backend.KERNELS.items():
-            for name, args_type in kernels:
+            for name, args_type, *_ in kernels:
                 sizes = (ctypes.c_int * 32)()
                 n = STUB.stub_kernel_params(name.encode(), sizes, 32)
                 assert n >= 0, f"no harness kernel {name}"
@@ -63,11 +63,11 @@ def test_arguments_packed_for_other_types_are_refused(stub_env):
             module, function = raw_kernel("fill_blocks.cu", "pagedkv_fill_blocks")
             for wrong in (Narrow, Packed):
                 before = STUB.stub_launch_count()
-                launcher = KernelLauncher("pagedkv_fill_blocks", function, wrong)
+                launcher = KernelLauncher("pagedkv_fill_blocks", function, wrong, 32)
                 if wrong is Packed:  # fields in the kernel's order, at 4-byte alignment
                     launcher.pointers[0], launcher.pointers[1] = launcher.pointers[1], launcher.pointers[0]
                 try:
-                    launcher.launch(1, 32, 0, table=0, num_rows=0, blocks=0, num_blocks=0, value=0)
+                    launcher.launch(1, 0, table=0, num_rows=0, blocks=0, num_blocks=0, value=0)
                 except CudaError as err:
                     assert err.status == 1, err
                 else:

@@ -27,7 +27,7 @@ def test_kernel_compiles_to_cubin(filename, arch, tmp_path):
     kernel = nvrtc.compile_cached(nvrtc.SOURCE_DIR / filename, arch, cache_dir=tmp_path)
     assert kernel.cubin[:4] == b"\x7fELF" and kernel.cubin[4] == 2  # a 64-bit ELF: CUBIN, not PTX
     assert not kernel.from_cache and kernel.arch == arch and kernel.filename == filename
-    for name, _ in KERNELS[filename]:
+    for name, *_ in KERNELS[filename]:
         assert name.encode() + b"\0" in kernel.cubin, f"{name} missing from {filename} for {arch}"
 
 
@@ -107,9 +107,82 @@ def test_cache_directory_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_arch_option_refuses_an_architecture_nvrtc_lacks():
+    """An unsupported architecture is a CudaUnavailable naming it, not an invented status 0."""
+    from pagedkv.driver.errors import UnsupportedArchitecture
+    from pagedkv.errors import PagedKvError
+
     assert nvrtc.arch_option(9, 0) == "sm_90"
-    with pytest.raises(driver_pkg.CudaError, match=r"sm_37 is not among this NVRTC's targets"):
+    with pytest.raises(UnsupportedArchitecture, match=r"sm_37 is not among this NVRTC's targets") as info:
         nvrtc.arch_option(3, 7)
+    assert isinstance(info.value, driver_pkg.CudaUnavailable) and isinstance(info.value, PagedKvError)
+    assert not isinstance(info.value, driver_pkg.CudaError)
+    assert info.value.arch == 37 and 90 in info.value.supported
+
+
+def test_nvrtc_output_buffers_are_writable_and_private(monkeypatch, tmp_path):
+    """NVRTC writes the CUBIN and the log into the buffer it is given: that must be a fresh
+    writable buffer, never `b" " * 1` (CPython's one shared one-byte object)."""
+    from cuda.bindings import nvrtc as bindings
+
+    seen = []
+
+    def fake_fill(real, size_call):
+        def fill(prog, buf):
+            view = memoryview(buf)
+            seen.append((size_call, view.readonly))
+            assert not view.readonly, f"{size_call}: NVRTC would write into an immutable bytes object"
+            real_size = len(view)
+            data = bytearray(real_size)
+            status = real(prog, data)
+            view[:] = data
+            return status
+        return fill
+
+    for name, size_name in (("nvrtcGetCUBIN", "nvrtcGetCUBINSize"), ("nvrtcGetProgramLog", "nvrtcGetProgramLogSize")):
+        monkeypatch.setattr(bindings, name, fake_fill(getattr(bindings, name), name))
+    kernel = nvrtc.compile_cached(nvrtc.SOURCE_DIR / "fill_blocks.cu", "sm_90", cache_dir=tmp_path)
+    assert isinstance(kernel.cubin, bytes) and kernel.cubin[:4] == b"\x7fELF"
+    broken = tmp_path / "broken.cu"
+    broken.write_text("this is not C++\n")
+    with pytest.raises(nvrtc.NvrtcCompileError) as info:
+        nvrtc.compile_cached(broken, "sm_90", cache_dir=tmp_path)
+    assert "error" in info.value.log
+    assert [s for s, _ in seen] == ["nvrtcGetCUBIN", "nvrtcGetProgramLog"]
+    assert b" " == bytes([32])
+
+
+def test_one_check_for_driver_and_nvrtc_statuses():
+    from cuda.bindings import driver, nvrtc as bindings
+
+    from pagedkv.driver.errors import check
+
+    assert check((bindings.nvrtcResult(0), 7), "x") == 7
+    with pytest.raises(driver_pkg.CudaError) as info:
+        check((bindings.nvrtcResult.NVRTC_ERROR_INVALID_INPUT,), "nvrtcThing", "detail")
+    assert (info.value.call, info.value.status, info.value.status_name) == (
+        "nvrtcThing", 3, "NVRTC_ERROR_INVALID_INPUT")
+    assert str(info.value).endswith("detail")
+    with pytest.raises(driver_pkg.CudaOutOfMemory) as info:
+        check((driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemAlloc")
+    assert info.value.status_name == "CUDA_ERROR_OUT_OF_MEMORY"
+    from pagedkv.errors import PagedKvError
+
+    assert issubclass(driver_pkg.CudaError, PagedKvError) and issubclass(driver_pkg.CudaUnavailable, PagedKvError)
+
+
+def test_source_defines_reach_the_compile_and_the_key(tmp_path):
+    """The reduction's thread count comes from Python: the source refuses to compile
+    without it, and compile_cached passes `source_defines` (so they key the cache too)."""
+    from pagedkv.exact_sum import SSQ_DIGITS, SUM_DIGITS
+
+    assert nvrtc.source_defines("reduce_bf16.cu") == (
+        f"-DREDUCE_THREADS={nvrtc.REDUCE_THREADS}", f"-DSUM_DIGITS={SUM_DIGITS}", f"-DSSQ_DIGITS={SSQ_DIGITS}")
+    assert nvrtc.source_defines("fill_blocks.cu") == () and nvrtc.source_defines("other.cu") == ()
+    source = (nvrtc.SOURCE_DIR / "reduce_bf16.cu").read_bytes()
+    with pytest.raises(nvrtc.NvrtcCompileError, match="REDUCE_THREADS"):
+        nvrtc.compile_source(source, "reduce_bf16.cu", "sm_90")
+    kernel = nvrtc.compile_cached(nvrtc.SOURCE_DIR / "reduce_bf16.cu", "sm_90", cache_dir=tmp_path)
+    assert b"pagedkv_reduce_bf16_partial\0" in kernel.cubin
 
 
 @pytest.mark.skipif(HAS_GPU_NODE, reason="this machine has an NVIDIA device node")
@@ -149,10 +222,10 @@ def test_cuda_unavailable_reads_as_one_sentence():
 def test_launcher_refuses_values_its_c_types_cannot_hold():
     from pagedkv.driver.launch import FillArgs, KernelLauncher
 
-    launcher = KernelLauncher("pagedkv_fill_blocks", None, FillArgs)
+    launcher = KernelLauncher("pagedkv_fill_blocks", None, FillArgs, 256)
     fields = dict(table=1, num_rows=1, blocks=2, num_blocks=2**31, value=0)
     with pytest.raises(OverflowError, match=r"num_blocks=2147483648 does not fit"):
-        launcher.launch(1, 256, 0, **fields)
+        launcher.launch(1, 0, **fields)
     del fields["value"]
     with pytest.raises(TypeError, match=r"missing \['value'\]"):
-        launcher.launch(1, 256, 0, **fields)
+        launcher.launch(1, 0, **fields)

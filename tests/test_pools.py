@@ -115,3 +115,27 @@ def test_a_failed_construction_frees_what_it_allocated():
     with pytest.raises(MemoryError):
         KvPools(config(dtype="bf16"), 4, gpu)
     assert gpu.live_allocations() == 0
+
+
+class RecordsCalls(HostBackend):
+    """A HostBackend that records the order of synchronize_all and free calls."""
+
+    def __init__(self):
+        super().__init__(capacity_bytes=1 << 20)
+        self.calls: list[str] = []
+
+    def synchronize_all(self):
+        self.calls.append("synchronize_all")
+
+    def free(self, ptr):
+        self.calls.append("free")
+        super().free(ptr)
+
+
+def test_release_waits_for_every_stream_before_the_first_free():
+    gpu = RecordsCalls()
+    pools = KvPools(config(), 3, gpu)
+    pools.release(gpu)
+    assert gpu.calls == ["synchronize_all"] + ["free"] * 4
+    pools.release(gpu)  # nothing left: no wait, no free
+    assert gpu.calls == ["synchronize_all"] + ["free"] * 4

@@ -3,7 +3,8 @@ block kernels compiled at run time by NVRTC.
 
 Importing this package calls nothing in the driver, loads no libcuda and compiles
 nothing (CUDA initialised in a parent process breaks forked children): `CudaBackend`,
-`CudaError`, `CudaUnavailable`, `CudaOutOfMemory` and `PinnedBuffer` are imported on first
+`CudaError`, `CudaUnavailable`, `CudaOutOfMemory`, `BackendClosed`,
+`UnsupportedArchitecture` and `PinnedBuffer` are imported on first
 use, and the first `CudaBackend()` initialises the driver.
 """
 
@@ -14,15 +15,26 @@ import glob
 import os
 from typing import Any
 
-__all__ = ["CudaBackend", "CudaError", "CudaOutOfMemory", "CudaUnavailable", "PinnedBuffer", "is_available"]
+__all__ = [
+    "BackendClosed",
+    "CudaBackend",
+    "CudaError",
+    "CudaOutOfMemory",
+    "CudaUnavailable",
+    "PinnedBuffer",
+    "UnsupportedArchitecture",
+    "is_available",
+]
 
 _LAZY = {
+    "BackendClosed": "errors",
     "CudaBackend": "backend",
     "CudaError": "errors",
     "CudaOutOfMemory": "errors",
     "CudaUnavailable": "errors",
     "check": "errors",
     "PinnedBuffer": "pinned",
+    "UnsupportedArchitecture": "errors",
 }
 
 

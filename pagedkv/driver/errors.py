@@ -1,7 +1,6 @@
 """CUDA errors and the one `check()` that turns a driver or NVRTC status into one.
 
-Imports nothing from cuda.bindings at module level: the status name and message are
-looked up only when a call has already failed.
+The status name and message are looked up only when a call has already failed.
 """
 
 from __future__ import annotations
@@ -9,14 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DeviceOutOfMemory, PagedKvError
+from . import _bindings
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 class CudaError(PagedKvError, RuntimeError):
-    """A CUDA driver or NVRTC call failed: `call`, `status` (int), `status_name` and the
-    driver's own message are kept; str() reads `cuMemAlloc failed: CUDA_ERROR_... (msg) detail`."""
+    """A CUDA driver or NVRTC call failed: `call`, `status` (int, the library's own),
+    `status_name` and the library's own message are kept; str() reads
+    `cuMemAlloc failed: CUDA_ERROR_... (msg) detail`."""
 
     def __init__(self, call: str, status: int, status_name: str, message: str, detail: str = ""):
         self.call = call
@@ -33,18 +34,36 @@ class CudaOutOfMemory(CudaError, DeviceOutOfMemory):
 
 
 class CudaUnavailable(PagedKvError, RuntimeError):
-    """No usable CUDA here (no driver library, no device, or the driver refused to start);
-    the message is one readable sentence."""
+    """No usable CUDA here (no driver library, no device, the driver refused to start, or
+    no kernel build for the device); the message is one readable sentence."""
+
+
+class UnsupportedArchitecture(CudaUnavailable):
+    """This NVRTC cannot compile for the device: `arch` (e.g. 120) is not in `supported`."""
+
+    def __init__(self, arch: int, supported: list[int]):
+        self.arch = arch
+        self.supported = supported
+        super().__init__(
+            f"sm_{arch} is not among this NVRTC's targets {supported}; install a newer nvidia-cuda-nvrtc."
+        )
+
+
+class BackendClosed(PagedKvError, RuntimeError):
+    """A call on a CudaBackend after its `close()`."""
 
 
 def _status_int(status: Any) -> int:
     return int(getattr(status, "value", status))
 
 
+def _is_nvrtc(status: Any) -> bool:
+    return type(status).__name__ == "nvrtcResult"
+
+
 def driver_status_text(status: int) -> tuple[str, str]:
     """(name, message) of a driver status, asking the driver; falls back to the enum name."""
-    from cuda.bindings import driver
-
+    driver = _bindings.driver
     name = message = None
     try:
         err, raw = driver.cuGetErrorName(status)
@@ -63,38 +82,35 @@ def driver_status_text(status: int) -> tuple[str, str]:
     return name, message or "no message from the driver"
 
 
+def nvrtc_status_text(status: int) -> tuple[str, str]:
+    """(name, message) of an NVRTC status, from nvrtcGetErrorString."""
+    nvrtc = _bindings.nvrtc
+    try:
+        name = nvrtc.nvrtcResult(status).name
+    except ValueError:
+        name = f"nvrtcResult {status}"
+    raw = nvrtc.nvrtcGetErrorString(status)
+    raw = raw[1] if isinstance(raw, tuple) else raw
+    message = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return name, message
+
+
 def check(result: Any, call: str, detail: str = "") -> Any:
-    """Unpack a cuda.bindings driver result `(status, *values)`: raise CudaError (or
-    CudaOutOfMemory) naming `call` on failure, else return the value(s) (None if none)."""
+    """Unpack a cuda.bindings driver or NVRTC result `(status, *values)`: raise CudaError
+    (CudaOutOfMemory for a driver out-of-memory) naming `call` on failure, with the status's
+    own name and message; else return the value(s) (None if none)."""
     if isinstance(result, tuple):
         status, values = result[0], result[1:]
     else:
         status, values = result, ()
     code = _status_int(status)
     if code != CUDA_SUCCESS:
+        if _is_nvrtc(status):
+            name, message = nvrtc_status_text(code)
+            raise CudaError(call, code, name, message, detail)
         name, message = driver_status_text(code)
         cls = CudaOutOfMemory if code == CUDA_ERROR_OUT_OF_MEMORY else CudaError
         raise cls(call, code, name, message, detail)
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
-
-
-def check_nvrtc(result: Any, call: str, detail: str = "") -> Any:
-    """Like `check` for an NVRTC result tuple; the message is nvrtcGetErrorString's."""
-    from cuda.bindings import nvrtc
-
-    status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    code = _status_int(status)
-    if code != 0:
-        try:
-            name = nvrtc.nvrtcResult(code).name
-        except ValueError:
-            name = f"nvrtcResult {code}"
-        raw = nvrtc.nvrtcGetErrorString(code)
-        raw = raw[1] if isinstance(raw, tuple) else raw
-        message = raw.decode() if isinstance(raw, bytes) else str(raw)
-        raise CudaError(call, code, name, message, detail)
     if not values:
         return None
     return values[0] if len(values) == 1 else values

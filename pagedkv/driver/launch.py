@@ -11,6 +11,7 @@ import ctypes
 import threading
 from typing import Any
 
+from ._bindings import driver
 from .errors import check
 
 
@@ -62,15 +63,17 @@ class ReduceFinalArgs(ctypes.Structure):
 
 
 class KernelLauncher:
-    """One kernel function with its reusable argument structure and pointer array.
+    """One kernel function with its reusable argument structure, pointer array and the
+    `threads` per CTA it is always launched with.
 
-    `launch(grid, block, stream, **fields)` sets the named fields and calls cuLaunchKernel;
+    `launch(grid, stream, **fields)` sets the named fields and calls cuLaunchKernel;
     the driver copies the values at launch, so the structure is reused at once. A lock
     makes concurrent launches of the same kernel from several threads safe.
     """
 
-    def __init__(self, name: str, function: Any, args_type: type[ctypes.Structure]):
+    def __init__(self, name: str, function: Any, args_type: type[ctypes.Structure], threads: int):
         self.name = name
+        self.threads = threads
         self.function = function
         self.args = args_type()
         base = ctypes.addressof(self.args)
@@ -82,14 +85,13 @@ class KernelLauncher:
         self._pointers_address = ctypes.addressof(self.pointers)
         self._lock = threading.Lock()
 
-    def launch(self, grid: int, block: int, stream: int, shared_bytes: int = 0, **fields: int) -> None:
-        """Launch on `grid` x `block` threads on `stream` with these parameter values
+    def launch(self, grid: int, stream: Any, shared_bytes: int = 0, **fields: int) -> None:
+        """Launch `grid` CTAs of `threads` threads on `stream` with these parameter values
         (every field must be given; an unknown or missing one raises TypeError)."""
         if fields.keys() != self._fields:
             missing, extra = self._fields - fields.keys(), fields.keys() - self._fields
             raise TypeError(f"{self.name} arguments: missing {sorted(missing)}, unknown {sorted(extra)}")
-        from cuda.bindings import driver
-
+        block = self.threads
         with self._lock:
             for name, value in fields.items():
                 setattr(self.args, name, value)

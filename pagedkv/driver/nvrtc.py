@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..log import get_logger
-from .errors import CudaError, check_nvrtc
+from ..exact_sum import SSQ_DIGITS, SUM_DIGITS
+from . import _bindings
+from .errors import CudaError, UnsupportedArchitecture, check
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "nvrtc_src"
 """Where the kernel sources (`*.cu`) live."""
@@ -29,6 +31,17 @@ CACHE_ENV = "PAGEDKV_KERNEL_CACHE"
 
 DEFAULT_OPTIONS = ("--std=c++17", "-default-device")
 """NVRTC options every kernel is compiled with (no include paths: kernels use no headers)."""
+
+REDUCE_THREADS = 256
+"""Threads per CTA of the reduction kernels: passed to reduce_bf16.cu as -DREDUCE_THREADS."""
+
+_SOURCE_DEFINES = {
+    "reduce_bf16.cu": (
+        f"-DREDUCE_THREADS={REDUCE_THREADS}",
+        f"-DSUM_DIGITS={SUM_DIGITS}",
+        f"-DSSQ_DIGITS={SSQ_DIGITS}",
+    ),
+}
 
 _MAGIC = b"PKVCUBIN1\n"
 _log = get_logger("nvrtc")
@@ -58,27 +71,29 @@ class CompiledKernel:
 
 def nvrtc_version() -> tuple[int, int]:
     """(major, minor) of the NVRTC library in use."""
-    from cuda.bindings import nvrtc
-
-    return check_nvrtc(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    nvrtc = _bindings.nvrtc
+    return check(nvrtc.nvrtcVersion(), "nvrtcVersion")
 
 
 def supported_archs() -> list[int]:
     """The SM architectures (e.g. 80, 90, 100) this NVRTC can compile CUBIN for."""
-    from cuda.bindings import nvrtc
+    nvrtc = _bindings.nvrtc
+    return list(check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
 
-    return list(check_nvrtc(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+def source_defines(filename: str) -> tuple[str, ...]:
+    """The `-D` options the kernel source `filename` is compiled with (empty for a file
+    that takes none); the CPU kernel harness compiles the same source with the same ones."""
+    return _SOURCE_DEFINES.get(filename, ())
 
 
 def arch_option(major: int, minor: int) -> str:
-    """`sm_XY` for a compute capability X.Y; CudaError when this NVRTC cannot target it."""
+    """`sm_XY` for a compute capability X.Y; UnsupportedArchitecture (a CudaUnavailable)
+    when this NVRTC cannot target it."""
     arch = major * 10 + minor
     archs = supported_archs()
     if arch not in archs:
-        raise CudaError(
-            "nvrtcGetSupportedArchs", 0, "ARCH_UNSUPPORTED", "architecture not supported",
-            f"sm_{arch} is not among this NVRTC's targets {archs}; install a newer nvidia-cuda-nvrtc",
-        )
+        raise UnsupportedArchitecture(arch, archs)
     return f"sm_{arch}"
 
 
@@ -107,30 +122,29 @@ def cache_key(source: bytes, filename: str, options: Sequence[str], arch: str) -
 
 
 def compile_source(source: bytes, filename: str, arch: str, options: Sequence[str] = DEFAULT_OPTIONS) -> bytes:
-    """CUBIN of `source` for `arch` (`sm_XY`); NvrtcCompileError carries the log and file name."""
-    from cuda.bindings import nvrtc
-
-    prog = check_nvrtc(nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], []), "nvrtcCreateProgram", filename)
+    """CUBIN of `source` for `arch` (`sm_XY`) with `options` as given (no source defines
+    added); NvrtcCompileError carries the log and file name."""
+    nvrtc = _bindings.nvrtc
+    prog = check(nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], []), "nvrtcCreateProgram", filename)
     try:
         opts = [o.encode() for o in (*options, f"--gpu-architecture={arch}")]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         if int(status) != 0:
             raise NvrtcCompileError(filename, arch, _program_log(prog))
-        size = check_nvrtc(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", filename)
-        cubin = b" " * size
-        check_nvrtc(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", filename)
-        return cubin
+        size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", filename)
+        cubin = bytearray(size)  # NVRTC writes into it: never a shared immutable bytes object
+        check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", filename)
+        return bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 def _program_log(prog) -> str:
-    from cuda.bindings import nvrtc
-
-    size = check_nvrtc(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    log = b" " * size
-    check_nvrtc(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-    return log.rstrip(b"\0").decode(errors="replace")
+    nvrtc = _bindings.nvrtc
+    size = check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    log = bytearray(size)  # NVRTC writes into it: never a shared immutable bytes object
+    check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+    return bytes(log).rstrip(b"\0").decode(errors="replace")
 
 
 def _read_entry(path: Path) -> bytes | None:
@@ -169,10 +183,12 @@ def _write_entry(path: Path, payload: bytes) -> None:
 def compile_cached(
     path: Path, arch: str, cache_dir: Path | None = None, options: Sequence[str] = DEFAULT_OPTIONS
 ) -> CompiledKernel:
-    """CUBIN of the kernel source at `path` for `arch`, from the cache when a valid entry
-    exists, else compiled and stored (`cache_dir` defaults to `default_cache_dir()`)."""
+    """CUBIN of the kernel source at `path` for `arch`, compiled with `options` plus the
+    file's `source_defines`, from the cache when a valid entry exists, else compiled and
+    stored (`cache_dir` defaults to `default_cache_dir()`)."""
     source = Path(path).read_bytes()
     filename = Path(path).name
+    options = (*options, *source_defines(filename))
     entry = (cache_dir or default_cache_dir()) / f"{cache_key(source, filename, options, arch)}.cubin"
     cached = _read_entry(entry)
     if cached is not None:

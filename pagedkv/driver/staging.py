@@ -1,9 +1,12 @@
-"""A small ring of staging slots for the per-launch index lists of the block kernels.
+"""Staging slots for the per-launch index lists and results of the block kernels, from
+allocation to release.
 
 Each slot pairs a pinned host buffer with a device buffer and an event. A launch copies
 its indices host -> device on its own stream, runs, and records the slot's event; the
 slot is reused only after that event has completed, so neither buffer is overwritten
-while a copy or a kernel still reads it, whatever stream it ran on.
+while a copy or a kernel still reads it, whatever stream it ran on. A slot can also be
+*held* by a caller that waits for its result without the backend's lock (the
+reduction): the ring never hands a held slot out, and grows instead.
 """
 
 from __future__ import annotations
@@ -14,16 +17,19 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ._bindings import driver
 from .errors import check
 
 SLOTS = 4
-"""Slots in the ring: launches on different streams can overlap this many deep."""
+"""Slots in the ring to start with: launches on different streams can overlap this many deep."""
 
 _MIN_BYTES = 64 << 10
+_CU_EVENT_DISABLE_TIMING = 2
 
 
 class StagingSlot:
-    """One slot: `host` (pinned, numpy uint8), `device` (address), both `capacity` bytes."""
+    """One slot: `host` (pinned, numpy uint8), `device` (address), both `capacity` bytes;
+    `pending` while recorded work may still use it, `held` while a caller waits on it."""
 
     def __init__(self) -> None:
         self.capacity = 0
@@ -32,14 +38,33 @@ class StagingSlot:
         self.device = 0
         self.event: Any = None
         self.pending = False
+        self.held = False
 
-    def release(self) -> None:
-        """Free both buffers and the event (after waiting for the event)."""
-        from cuda.bindings import driver
+    def upload(self, arrays: list[np.ndarray], stream: Any) -> None:
+        """Concatenate `arrays` into the pinned buffer and copy them to the device buffer
+        on `stream` (the caller sized the slot)."""
+        at = 0
+        for arr in arrays:
+            self.host[at : at + arr.nbytes] = arr.view(np.uint8)
+            at += arr.nbytes
+        check(driver.cuMemcpyHtoDAsync(self.device, self.host_address, at, stream), "cuMemcpyHtoDAsync")
 
+    def download(self, offset: int, nbytes: int, stream: Any) -> None:
+        """Queue a copy of device bytes [offset, offset + nbytes) to the same host offset."""
+        check(
+            driver.cuMemcpyDtoHAsync(self.host_address + offset, self.device + offset, nbytes, stream),
+            "cuMemcpyDtoHAsync",
+        )
+
+    def wait(self) -> None:
+        """Wait for the recorded work; the slot is then idle."""
         if self.pending:
             check(driver.cuEventSynchronize(self.event), "cuEventSynchronize")
             self.pending = False
+
+    def release(self) -> None:
+        """Free both buffers and the event (after waiting for the event)."""
+        self.wait()
         self.free_buffers()
         if self.event is not None:
             check(driver.cuEventDestroy(self.event), "cuEventDestroy")
@@ -47,8 +72,6 @@ class StagingSlot:
 
     def free_buffers(self) -> None:
         """Free the device and pinned host buffers (the slot must be idle); capacity 0."""
-        from cuda.bindings import driver
-
         if self.device:
             check(driver.cuMemFree(self.device), "cuMemFree")
             self.device = 0
@@ -57,46 +80,54 @@ class StagingSlot:
             self.host_address, self.host = 0, None
         self.capacity = 0
 
+    def grow(self, capacity: int) -> None:
+        """Replace both buffers by `capacity` bytes (rounded up to 256; the slot must be
+        idle); on failure the slot is left with no buffers and capacity 0."""
+        capacity = -(-capacity // 256) * 256
+        self.free_buffers()
+        self.host_address = int(check(driver.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc", f"staging {capacity} bytes"))
+        self.host = np.ctypeslib.as_array((ctypes.c_uint8 * capacity).from_address(self.host_address))
+        self.device = int(check(driver.cuMemAlloc(capacity), "cuMemAlloc", f"staging {capacity} bytes"))
+        self.capacity = capacity
+
 
 class StagingRing:
-    """Hands out slots round-robin; `acquire(nbytes)` waits for the slot's last use and
-    grows it to at least `nbytes`. Callers hold the backend's lock around acquire..record."""
+    """Hands out slots round-robin, skipping held ones (and growing the ring when every
+    slot is held); `acquire(nbytes)` waits for the slot's last use and grows it to at
+    least `nbytes`. Callers hold the backend's lock around acquire..record and around
+    any change of `held`."""
 
     def __init__(self) -> None:
         self._slots = [StagingSlot() for _ in range(SLOTS)]
         self._next = 0
 
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def held(self) -> int:
+        """How many slots a caller holds now."""
+        return sum(slot.held for slot in self._slots)
+
     def acquire(self, nbytes: int) -> StagingSlot:
-        """The next slot, idle and at least `nbytes` long on both sides."""
-        from cuda.bindings import driver
-
-        slot = self._slots[self._next]
-        self._next = (self._next + 1) % SLOTS
+        """The next slot not held, idle and at least `nbytes` long on both sides."""
+        for _ in range(len(self._slots)):
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % len(self._slots)
+            if not slot.held:
+                break
+        else:
+            slot = StagingSlot()
+            self._slots.append(slot)
         if slot.event is None:
-            slot.event = check(driver.cuEventCreate(2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
-        if slot.pending:
-            check(driver.cuEventSynchronize(slot.event), "cuEventSynchronize")
-            slot.pending = False
+            slot.event = check(driver.cuEventCreate(_CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        slot.wait()
         if nbytes > slot.capacity:
-            self._grow(slot, max(nbytes, 2 * slot.capacity, _MIN_BYTES))
+            slot.grow(max(nbytes, 2 * slot.capacity, _MIN_BYTES))
         return slot
-
-    @staticmethod
-    def _grow(slot: StagingSlot, capacity: int) -> None:
-        from cuda.bindings import driver
-
-        capacity = -(-capacity // 256) * 256
-        slot.free_buffers()
-        slot.host_address = int(check(driver.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc", f"staging {capacity} bytes"))
-        slot.host = np.ctypeslib.as_array((ctypes.c_uint8 * capacity).from_address(slot.host_address))
-        slot.device = int(check(driver.cuMemAlloc(capacity), "cuMemAlloc", f"staging {capacity} bytes"))
-        slot.capacity = capacity
 
     @staticmethod
     def record(slot: StagingSlot, stream: Any) -> None:
         """Mark the slot in use until the work now enqueued on `stream` completes."""
-        from cuda.bindings import driver
-
         check(driver.cuEventRecord(slot.event, stream), "cuEventRecord")
         slot.pending = True
 
@@ -106,8 +137,6 @@ class StagingRing:
         by an exception (a failed launch after a queued upload), the slot is marked in use
         until that work completes; if even the event cannot be recorded, the stream is
         waited for, so a queued copy can never race the slot's next user."""
-        from cuda.bindings import driver
-
         slot = self.acquire(nbytes)
         try:
             yield slot
@@ -119,7 +148,7 @@ class StagingRing:
                 raise
 
     def close(self) -> None:
-        """Release every slot, attempting all; the first error is raised."""
+        """Release every slot (none may be held), attempting all; the first error is raised."""
         first = None
         for slot in self._slots:
             try:

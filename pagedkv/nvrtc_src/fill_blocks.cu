@@ -1,7 +1,8 @@
 // Batched fill: set every byte of every listed block in every region to one byte value.
 // Work item i = (row, k) covers block blocks[k] of region row `row` (row-major, so
 // consecutive CTAs sweep one region's blocks). Each CTA takes items in a grid-stride loop;
-// its threads write 16-byte words where the block start is 16-byte aligned, bytes elsewhere.
+// a block's bytes up to its first 16-byte boundary (the head) and after its last (the
+// tail) are written singly, the body between as 16-byte words, wherever the block starts.
 // Streaming stores (__stcs): filled blocks are not read back soon, so they should not
 // evict other data from L2.
 
@@ -26,13 +27,13 @@ extern "C" __global__ void pagedkv_fill_blocks(
         const int k = (int)(item - (i64)row * num_blocks);
         const Region r = table[row];
         u8* start = (u8*)(r.base + (i64)blocks[k] * r.stride);
-        i64 head = 0;
-        if (((u64)start & 15u) == 0) {
-            uint4* words = (uint4*)start;
-            const i64 nwords = r.nbytes >> 4;
-            for (i64 w = threadIdx.x; w < nwords; w += blockDim.x) __stcs(words + w, vec);
-            head = nwords << 4;
-        }
-        for (i64 b = head + threadIdx.x; b < r.nbytes; b += blockDim.x) start[b] = (u8)byte;
+        i64 head = (i64)((16u - ((u32)(u64)start & 15u)) & 15u);
+        if (head > r.nbytes) head = r.nbytes;
+        const i64 nwords = (r.nbytes - head) >> 4;
+        const i64 tail = head + (nwords << 4);
+        if (threadIdx.x < head) start[threadIdx.x] = (u8)byte;
+        uint4* words = (uint4*)(start + head);
+        for (i64 w = threadIdx.x; w < nwords; w += blockDim.x) __stcs(words + w, vec);
+        for (i64 b = tail + threadIdx.x; b < r.nbytes; b += blockDim.x) start[b] = (u8)byte;
     }
 }

@@ -1187,3 +1187,19 @@ CUresult cuGetExportTable(const void **table, const void *id) {
     if (table) *table = NULL;
     return NOT_SUPPORTED;
 }
+
+/* ---- DRIVER additions ---------------------------------------------------------------- */
+/* Entry points the DRIVER work needs; lookup() falls back to these (one declaration above). */
+
+static int occupancy_per_sm = 8;
+
+void stub_set_occupancy(int per_sm) { occupancy_per_sm = per_sm; }
+
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *num_blocks, CUfunction f, int block_size, size_t smem) {
+    ENTER("cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    NEED_CTX();
+    if (!num_blocks || !f || block_size <= 0 || block_size > 1024) return INVALID_VALUE;
+    (void)smem;
+    *num_blocks = occupancy_per_sm;
+    return SUCCESS;
+}

@@ -1,0 +1,115 @@
+"""Exact BF16 checksums: sum, sum of squares and sum of |x| in wide fixed point.
+
+Every finite BF16 value is `m * 2**(s - 133)` with an integer mantissa `m < 2**8` and a
+shift `0 <= s <= 253`, so it is an integer multiple of 2**-133 and its square one of
+2**-266. Adding those integers is exact and independent of order; the one rounding is the
+final conversion to float64, which gives the correctly rounded exact result: what
+`math.fsum` returns over the float64 values (or their float64 squares, which are exact).
+Both backends produce the same integers (the GPU kernel as 32-bit digits held in int64
+words with deferred carries) and turn them into `Bf16Stats` here.
+
+Non-finite inputs (exponent field 255) are not added; they are flagged instead:
+- any NaN makes all three results NaN;
+- otherwise +inf and -inf together make `sum` NaN, and either makes `ssq` and `sabs` +inf;
+- otherwise infinities of one sign make `sum` that infinity.
+An exactly zero sum is +0.0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .backend import Bf16Stats
+
+SUM_SCALE_BITS = 133
+"""A value's fixed-point integer is value * 2**SUM_SCALE_BITS."""
+
+SSQ_SCALE_BITS = 2 * SUM_SCALE_BITS
+"""A square's fixed-point integer is square * 2**SSQ_SCALE_BITS."""
+
+DIGIT_BITS = 32
+"""Bits per digit of the GPU's carry-save accumulators (each digit is an int64 word)."""
+
+SUM_DIGITS = 9
+"""Digits of the sum and sum-of-|x| accumulators (the largest shift 253 + 8 mantissa bits)."""
+
+SSQ_DIGITS = 17
+"""Digits of the sum-of-squares accumulator (the largest shift 506 + 16 bits)."""
+
+FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF = 1, 2, 4
+"""Bits of the non-finite flags word."""
+
+RESULT_WORDS = 2 * SUM_DIGITS + SSQ_DIGITS + 1
+"""int64 words of a reduction result: sum digits, sum-of-|x| digits, sum-of-squares digits, flags."""
+
+_CHUNK = 1 << 22  # values per numpy pass: every float64 bin total stays an exact integer
+
+
+def digits_value(digits: Sequence[int]) -> int:
+    """The integer `sum(d_i * 2**(32 i))` of carry-save digits (each any signed int64)."""
+    return sum(int(d) << (DIGIT_BITS * i) for i, d in enumerate(digits))
+
+
+def stats_from_integers(total: int, squares: int, absolute: int, flags: int) -> Bf16Stats:
+    """Bf16Stats of exact fixed-point integers (units 2**-133, 2**-266, 2**-133) and the
+    non-finite flags, each rounded once to the nearest float64 (ties to even)."""
+    if flags & FLAG_NAN:
+        return Bf16Stats(math.nan, math.nan, math.nan)
+    pos, neg = bool(flags & FLAG_POS_INF), bool(flags & FLAG_NEG_INF)
+    if pos or neg:
+        s = math.nan if pos and neg else (math.inf if pos else -math.inf)
+        return Bf16Stats(s, math.inf, math.inf)
+    # int / int true division is correctly rounded in CPython, whatever the sizes
+    return Bf16Stats(
+        total / (1 << SUM_SCALE_BITS) + 0.0,
+        squares / (1 << SSQ_SCALE_BITS),
+        absolute / (1 << SUM_SCALE_BITS),
+    )
+
+
+def stats_from_words(words: Sequence[int]) -> Bf16Stats:
+    """Bf16Stats of a GPU reduction result: RESULT_WORDS int64 words in the layout above."""
+    if len(words) != RESULT_WORDS:
+        raise ValueError(f"a reduction result has {RESULT_WORDS} words, got {len(words)}")
+    total = digits_value(words[:SUM_DIGITS])
+    absolute = digits_value(words[SUM_DIGITS : 2 * SUM_DIGITS])
+    squares = digits_value(words[2 * SUM_DIGITS : 2 * SUM_DIGITS + SSQ_DIGITS])
+    return stats_from_integers(total, squares, absolute, int(words[-1]))
+
+
+def bf16_stats(bits: np.ndarray) -> Bf16Stats:
+    """The exact checksums of BF16 values given as their uint16 bit patterns (any shape)."""
+    bits = np.ascontiguousarray(bits, dtype=np.uint16).reshape(-1)
+    exponent = (bits >> 7) & 0xFF
+    flags = 0
+    special = exponent == 0xFF
+    if special.any():
+        sb = bits[special]
+        if (sb & 0x7F).any():
+            flags |= FLAG_NAN
+        if (sb == 0x7F80).any():
+            flags |= FLAG_POS_INF
+        if (sb == 0xFF80).any():
+            flags |= FLAG_NEG_INF
+        bits = bits[~special]
+        exponent = exponent[~special]
+    total = squares = absolute = 0
+    for start in range(0, bits.size, _CHUNK):
+        b = bits[start : start + _CHUNK]
+        e = exponent[start : start + _CHUNK].astype(np.int64)
+        mantissa = (b & 0x7F).astype(np.int64) | np.where(e > 0, 0x80, 0)
+        shift = np.maximum(e - 1, 0)
+        weights = mantissa.astype(np.float64)
+        negative = (b & 0x8000) != 0
+        pos = np.bincount(shift[~negative], weights=weights[~negative], minlength=254)
+        neg = np.bincount(shift[negative], weights=weights[negative], minlength=254)
+        sq = np.bincount(shift, weights=weights * weights, minlength=254)
+        for s in np.flatnonzero(pos + neg + sq).tolist():
+            p, n = int(pos[s]), int(neg[s])
+            total += (p - n) << s
+            absolute += (p + n) << s
+            squares += int(sq[s]) << (2 * s)
+    return stats_from_integers(total, squares, absolute, flags)
