@@ -25,6 +25,7 @@ from ..backend import (
     check_fill_byte,
     host_bytes,
 )
+from ..capabilities import check_capability_name
 from ..errors import DeviceMemoryError
 from ..log import get_logger
 from ..streams import is_stream_object, stream_handle
@@ -248,6 +249,14 @@ class CudaBackend:
         for module in self._modules:
             attempt(lambda m=module: check(driver.cuModuleUnload(m), "cuModuleUnload"))
         self._modules, self._launchers = [], {}
+
+    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "device:cuda"})
+    """The capabilities CudaBackend states (see pagedkv.capabilities)."""
+
+    def supports(self, name: str) -> bool:
+        """True for "pinned", "batched_copy", "stream_wait" and "device:cuda"; ValueError for
+        an unknown name."""
+        return check_capability_name(name) in self.SUPPORTED
 
     def __enter__(self) -> "CudaBackend":
         return self
