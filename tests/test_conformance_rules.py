@@ -65,6 +65,11 @@ class Float32Sums(HostBackend):
         return type(exact)(*(float(np.float32(x)) for x in exact))
 
 
+class ReducesRowZero(HostBackend):
+    def reduce_bf16_blocks(self, regions, region, blocks, stream):
+        return super().reduce_bf16_blocks(regions, 0, blocks, stream)
+
+
 class RefusesEmptyMemset(HostBackend):
     def memset_async(self, ptr, value, nbytes, stream):
         if nbytes == 0:
@@ -113,6 +118,7 @@ PLANTED = [
     (FillsTheGap, "fill_blocks_matches_host", "region 1: 48 byte(s) differ, first at offset 176"),
     (DropsLastPair, "copy_blocks_matches_host", "byte(s) differ"),
     (Float32Sums, "reduce_bf16_exact", "math.fsum gives"),
+    (ReducesRowZero, "reduce_bf16_exact", "math.fsum gives"),
     (RefusesEmptyMemset, "zero_length_ranges", "raised ValueError: nothing to set"),
     (DestroysDefaultStream, "stream_lifecycle", "destroy of the default stream: returned"),
     (MemsetsRunAtSynchronize, "stream_order", "after six ordered calls"),
