@@ -15,6 +15,16 @@ from pagedkv.errors import DeviceMemoryError
 from pagedkv.testing import RULES, ConformanceReport, backend_conformance, conformance_tests
 
 
+class ClaimsPinned(HostBackend):
+    def supports(self, name):
+        return name == "pinned" or super().supports(name)
+
+
+class TwoDeviceKinds(HostBackend):
+    def supports(self, name):
+        return name == "device:cuda" or super().supports(name)
+
+
 class Misaligned(HostBackend):
     def alloc(self, nbytes):
         return super().alloc(nbytes + 16).offset(16)
@@ -111,6 +121,8 @@ class CopiesBlocksBackwards(HostBackend):
 
 
 PLANTED = [
+    (ClaimsPinned, "capabilities_consistent", "states 'pinned' but has no alloc_pinned, copy_h2d_async, copy_d2h_async"),
+    (TwoDeviceKinds, "capabilities_consistent", "more than one device kind: ['device:cpu', 'device:cuda']"),
     (Misaligned, "alloc_sizes_and_alignment", "not 256-byte aligned"),
     (SilentDoubleFree, "free_refuses_double_unknown_and_interior", "a double free: returned"),
     (PlainMemoryError, "out_of_memory", "raised MemoryError"),
@@ -139,9 +151,12 @@ def test_the_clean_host_backend_passes_every_rule_but_the_pending_one():
     report = backend_conformance(lambda: HostBackend(capacity_bytes=1 << 26))
     assert [r.name for r in report.results] == [r.name for r in RULES]
     assert [r.name for r in report.failed] == ["reduce_bf16_correctly_rounded"]  # until exact sums land
-    assert [(r.name, r.reason) for r in report.skipped] == [("copies_pinned", "the backend does not support 'pinned'")]
+    assert [(r.name, r.reason) for r in report.skipped] == [
+        ("stream_wait", "the backend does not support 'stream_wait'"),
+        ("copies_pinned", "the backend does not support 'pinned'"),
+    ]
     assert report.backend == "HostBackend"
-    assert report.summary().splitlines()[-1] == "HostBackend: 21 passed, 1 failed, 1 skipped"
+    assert report.summary().splitlines()[-1] == "HostBackend: 23 passed, 1 failed, 2 skipped"
 
 
 def test_rules_cover_every_point_of_the_protocol():
@@ -209,7 +224,8 @@ def test_importable_and_runnable_without_pytest():
         "from pagedkv.testing import backend_conformance, conformance_tests\n"
         "tests = conformance_tests(HostBackend)\n"
         "report = backend_conformance(lambda: HostBackend(1 << 26), only=['memset', 'cache_core'])\n"
-        "print(report.ok, len(tests))\n"
+        "import pagedkv.backends, pagedkv.backends.per_range\n"
+        "print(report.ok, len(tests), 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout == f"True {len(RULES)}\n" and out.stderr == ""
+    assert out.stdout == f"True {len(RULES)} False\n" and out.stderr == ""

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from ..backend import BlockRegions, Bf16Stats, DevicePtr, GpuBackend
+from ..capabilities import CAPABILITIES, backend_supports
 from ..errors import DeviceMemoryError, DeviceOutOfMemory
 from ..host_backend import HostBackend, bf16_bytes_to_float64
 from .registry import ConformanceFailure, expect, expect_bytes, expect_raises, read, rule
@@ -63,6 +64,75 @@ class _Pools:
         for ptr in self.ptrs:
             self.gpu.free(ptr)
         self.ptrs = []
+
+
+# -- capabilities -----------------------------------------------------------------------
+
+_CAPABILITY_METHODS = {
+    "pinned": ("alloc_pinned", "copy_h2d_async", "copy_d2h_async"),
+    "stream_wait": ("make_stream_wait",),
+    "host_view": ("view",),
+}
+
+
+@rule("protocol")
+def rule_capabilities_consistent(gpu: Any) -> None:
+    """supports(name) answers a bool for every known name (or the backend has no
+    `supports`: only the protocol), ValueError for an unknown one; a stated capability
+    has its methods; at most one device kind; a GPU kind comes with an int device_ordinal."""
+    stated = {name for name in CAPABILITIES if backend_supports(gpu, name)}
+    if getattr(gpu, "supports", None) is not None:
+        expect_raises(ValueError, lambda: gpu.supports("no-such-capability"), "supports of an unknown name",
+                      names="no-such-capability")
+    for name, methods in _CAPABILITY_METHODS.items():
+        missing = [m for m in methods if name in stated and not callable(getattr(gpu, m, None))]
+        expect(not missing, f"states {name!r} but has no {', '.join(missing)}")
+    kinds = sorted(n for n in stated if n.startswith("device:"))
+    expect(len(kinds) <= 1, f"states more than one device kind: {kinds}")
+    if kinds and kinds[0] != "device:cpu":
+        ordinal = getattr(gpu, "device_ordinal", None)
+        expect(isinstance(ordinal, int) and not isinstance(ordinal, bool), f"states {kinds[0]!r} but device_ordinal is {ordinal!r}")
+
+
+@rule("protocol", requires=("stream_wait",))
+def rule_stream_wait(gpu: Any) -> None:
+    """make_stream_wait(waiting, on) orders the work enqueued later on `waiting` after the
+    work enqueued so far on `on`."""
+    s1, s2 = gpu.create_stream(), gpu.create_stream()
+    a, b = gpu.alloc(4096), gpu.alloc(4096)
+    try:
+        gpu.memset_async(b, 0, 4096, s2)
+        gpu.synchronize(s2)
+        gpu.memset_async(a, 0x5C, 4096, s1)
+        gpu.make_stream_wait(s2, s1)
+        gpu.copy_d2d(a, b, 4096, s2)
+        gpu.synchronize(s2)
+        expect_bytes(read(gpu, b, 4096), np.full(4096, 0x5C, np.uint8), "a copy on the waiting stream")
+        gpu.synchronize(s1)
+    finally:
+        gpu.free(a)
+        gpu.free(b)
+        gpu.destroy_stream(s1)
+        gpu.destroy_stream(s2)
+
+
+@rule("protocol", requires=("host_view",))
+def rule_host_view(gpu: Any) -> None:
+    """view(ptr, n) is a writable uint8 numpy array over the device bytes (what the copies
+    see), and raises DeviceMemoryError past an allocation's end."""
+    p = gpu.alloc(256)
+    try:
+        gpu.copy_h2d(_pattern(256, 4), p)
+        view = gpu.view(p.offset(16), 32)
+        expect(isinstance(view, np.ndarray) and view.dtype == np.uint8 and view.size == 32, f"view(...) is {view!r}")
+        expect_bytes(view, _pattern(256, 4)[16:48], "view of bytes 16..48")
+        view[:] = 0xAA
+        want = _pattern(256, 4)
+        want[16:48] = 0xAA
+        expect_bytes(read(gpu, p, 256), want, "bytes written through a view")
+        expect_raises(DeviceMemoryError, lambda: gpu.view(p.offset(200), 57), "a view past the end")
+    finally:
+        gpu.free(p)
 
 
 # -- memory ---------------------------------------------------------------------------
