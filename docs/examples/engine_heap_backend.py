@@ -118,6 +118,9 @@ class EngineHeapBackend(PerRangeBlockOps):
         if stream not in self.streams:
             raise ValueError(f"unknown stream {stream!r}")
 
+    def synchronize_all(self) -> None:
+        pass
+
     # copies
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
         value = check_fill_byte(value)

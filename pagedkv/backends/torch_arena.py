@@ -145,6 +145,9 @@ class TorchArenaBackend:
         if handle not in self._streams:
             raise ValueError(f"unknown stream {handle!r}")
 
+    def synchronize_all(self) -> None:
+        """Nothing to wait for on any stream."""
+
     # -- copies and memset ----------------------------------------------------------
 
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
