@@ -20,7 +20,9 @@ Names (`CAPABILITIES` maps each to what it promises):
 - "vmm": reserved for virtual-memory pools (reserve an address range, map memory into it);
   no backend and no pagedkv feature uses it yet, so every backend answers False.
 - "device:cpu", "device:cuda", "device:rocm": the kind of memory behind the device
-  pointers (the DLPack device type of a pool view). At most one is true.
+  pointers (the DLPack device type of a pool view). At most one is true. A "device:cpu"
+  backend's pointers are host addresses, unless it also states "host_view" (HostBackend:
+  its addresses are its own, and `view` gives the bytes).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ CAPABILITIES: dict[str, str] = {
     "stream_wait": "make_stream_wait(waiting, on) across streams",
     "host_view": "view(ptr, nbytes): device bytes as a host numpy array",
     "vmm": "virtual-memory pools (reserved; unused today)",
-    "device:cpu": "device pointers are host memory (DLPack kDLCPU)",
+    "device:cpu": "device pointers are host addresses, or reached through view() with host_view (DLPack kDLCPU)",
     "device:cuda": "device pointers are CUDA device memory (DLPack kDLCUDA, device_ordinal)",
     "device:rocm": "device pointers are ROCm device memory (DLPack kDLROCM, device_ordinal)",
 }

@@ -26,6 +26,13 @@ class TwoDeviceKinds(HostBackend):
         return name == "device:cuda" or super().supports(name)
 
 
+class FakeAddressesNoView(HostBackend):
+    """Claims device:cpu addresses without host_view: its addresses are not host memory."""
+
+    def supports(self, name):
+        return name != "host_view" and super().supports(name)
+
+
 class Misaligned(HostBackend):
     def alloc(self, nbytes):
         return super().alloc(nbytes + 16).offset(16)
@@ -122,6 +129,7 @@ class CopiesBlocksBackwards(HostBackend):
 
 
 PLANTED = [
+    (FakeAddressesNoView, "cpu_addresses_are_host_memory", "+ 300 bytes is not readable host memory of this process"),
     (ClaimsPinned, "capabilities_consistent", "states 'pinned' but has no alloc_pinned, copy_h2d_async, copy_d2h_async"),
     (TwoDeviceKinds, "capabilities_consistent", "more than one device kind: ['device:cpu', 'device:cuda']"),
     (Misaligned, "alloc_sizes_and_alignment", "not 256-byte aligned"),
@@ -154,11 +162,12 @@ def test_the_clean_host_backend_passes_every_rule_but_the_pending_ones():
     assert [r.name for r in report.failed] == list(PENDING)
     assert [(r.name, r.reason) for r in report.skipped] == [
         ("stream_wait", "the backend does not support 'stream_wait'"),
+        ("cpu_addresses_are_host_memory", "the backend states 'host_view': its addresses need not be host addresses"),
         ("copies_pinned", "the backend does not support 'pinned'"),
     ]
     assert report.backend == "HostBackend"
-    passed = len(RULES) - len(PENDING) - 2
-    assert report.summary().splitlines()[-1] == f"HostBackend: {passed} passed, {len(PENDING)} failed, 2 skipped"
+    passed = len(RULES) - len(PENDING) - 3
+    assert report.summary().splitlines()[-1] == f"HostBackend: {passed} passed, {len(PENDING)} failed, 3 skipped"
 
 
 def test_rules_cover_every_point_of_the_protocol():

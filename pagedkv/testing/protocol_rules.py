@@ -17,7 +17,9 @@ from ..backend import BlockRegions, Bf16Stats, DevicePtr, GpuBackend
 from ..capabilities import CAPABILITIES, backend_supports
 from ..errors import DeviceMemoryError, DeviceOutOfMemory
 from ..host_backend import HostBackend, bf16_bytes_to_float64
-from .registry import ConformanceFailure, expect, expect_bytes, expect_raises, read, rule
+import ctypes
+
+from .registry import RuleNotApplicable, expect, expect_bytes, expect_raises, read, rule
 
 ALIGNMENT = 256
 """Every allocation must start on a multiple of this many bytes (CUDA guarantees 256)."""
@@ -131,6 +133,42 @@ def rule_host_view(gpu: Any) -> None:
         want[16:48] = 0xAA
         expect_bytes(read(gpu, p, 256), want, "bytes written through a view")
         expect_raises(DeviceMemoryError, lambda: gpu.view(p.offset(200), 57), "a view past the end")
+    finally:
+        gpu.free(p)
+
+
+def _readable_host_range(address: int, nbytes: int) -> bool | None:
+    """Whether [address, address + nbytes) lies in one readable mapping of this process
+    (None where /proc/self/maps is absent), so the rule never reads an unmapped address."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        span, perms = line.split()[:2]
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address and address + nbytes <= end:
+            return perms.startswith("r")
+    return False
+
+
+@rule("protocol", requires=("device:cpu",))
+def rule_cpu_addresses_are_host_memory(gpu: Any) -> None:
+    """A "device:cpu" backend without "host_view" hands out real host addresses (pool
+    views export them to DLPack consumers as they are): the bytes copied in are the
+    bytes at the address."""
+    if backend_supports(gpu, "host_view"):
+        raise RuleNotApplicable("the backend states 'host_view': its addresses need not be host addresses")
+    p = gpu.alloc(300)
+    try:
+        gpu.copy_h2d(_pattern(300, 5), p)
+        mapped = _readable_host_range(int(p), 300)
+        if mapped is None:
+            raise RuleNotApplicable("no /proc/self/maps on this system to tell a host address from another")
+        expect(mapped, f"{p!r} + 300 bytes is not readable host memory of this process")
+        at = np.frombuffer(ctypes.string_at(int(p), 300), np.uint8)
+        expect_bytes(at, _pattern(300, 5), f"the host memory at {p!r}")
     finally:
         gpu.free(p)
 

@@ -17,6 +17,10 @@ class ConformanceFailure(Exception):
     """A backend broke a conformance rule; the message says how."""
 
 
+class RuleNotApplicable(Exception):
+    """Raised by a rule that does not apply to this backend; the message says why."""
+
+
 @dataclass(frozen=True)
 class Rule:
     """One conformance rule: `name` (unique), `check(gpu)`, the contract point it tests

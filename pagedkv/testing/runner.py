@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ..capabilities import backend_supports
 from . import protocol_rules  # noqa: F401 - importing registers the rules, protocol first
 from . import cache_rules  # noqa: F401,I001
-from .registry import RULES, ConformanceFailure, Rule
+from .registry import RULES, ConformanceFailure, Rule, RuleNotApplicable
 from .report import FAILED, PASSED, SKIPPED, ConformanceReport, RuleResult
 
 
@@ -32,12 +32,14 @@ def run_rule(rule: Rule, gpu: Any) -> RuleResult:
     needs; failed with the reason when the rule raises, or when the backend's free bytes
     drop over the rule and keep dropping over `LEAK_RUNS` reruns (a leak, not buffers
     the backend keeps and reuses); passed otherwise."""
-    missing = [name for name in rule.requires if not backend_supports(gpu, name)]
-    if missing:
-        return RuleResult(rule.name, SKIPPED, f"the backend does not support {', '.join(map(repr, missing))}")
-    free_before = gpu.mem_info()[0]
     try:
+        missing = [name for name in rule.requires if not backend_supports(gpu, name)]
+        if missing:
+            return RuleResult(rule.name, SKIPPED, f"the backend does not support {', '.join(map(repr, missing))}")
+        free_before = gpu.mem_info()[0]
         rule.check(gpu)
+    except RuleNotApplicable as why:
+        return RuleResult(rule.name, SKIPPED, str(why))
     except ConformanceFailure as failure:
         return RuleResult(rule.name, FAILED, str(failure))
     except Exception as err:  # noqa: BLE001 - any exception from the backend is a finding
