@@ -169,38 +169,54 @@ def check_copy_pairs(src: np.ndarray, dst: np.ndarray) -> None:
 
 @runtime_checkable
 class GpuBackend(Protocol):
-    """What PagedKvCache needs from a device. `HostBackend` and `CudaBackend` implement it.
+    """What pagedkv needs from a device: the contract every backend honours, checked rule
+    by rule by `pagedkv.testing.backend_conformance` (docs/BACKENDS.md says how to write
+    one). `HostBackend`, `CudaBackend` and `pagedkv.backends.torch_arena` implement it.
 
-    Host buffers are bytes-like objects or numpy arrays. Streams are opaque int handles;
-    `*_async` and kernel calls are ordered on their stream, and `synchronize` waits for it.
+    For every method: arguments and ranges are checked before anything is written, so a
+    call that raises changes nothing. Host buffers are C-contiguous bytes-like objects or
+    numpy arrays of any dtype. Streams are int handles; `*_async`, `copy_d2d` and the block
+    calls are ordered on their stream and `synchronize` waits for it. Zero-byte ranges
+    and empty block lists do nothing.
+
+    Beyond this protocol a backend may define `supports(name) -> bool` and the optional
+    methods of the capabilities it states (`pagedkv.capabilities`: pinned memory, stream
+    waits, host views, the device kind); without `supports` it offers only the protocol.
     """
 
     def alloc(self, nbytes: int) -> DevicePtr:
-        """Allocate `nbytes` (> 0) of device memory, contents undefined."""
+        """Allocate `nbytes` (a positive int, else ValueError naming it): a non-null pointer,
+        256-byte aligned, overlapping no live allocation, contents undefined.
+        DeviceOutOfMemory (a MemoryError) when it does not fit, with nothing taken."""
         ...
 
     def free(self, ptr: DevicePtr) -> None:
-        """Free an allocation made by `alloc`; an unknown pointer or a double free raises."""
+        """Free the allocation starting at `ptr`. A double free, a pointer inside an
+        allocation and one the backend never returned raise DeviceMemoryError naming it."""
         ...
 
     def memset_async(self, ptr: DevicePtr, value: int, nbytes: int, stream: int) -> None:
-        """Set `nbytes` bytes at `ptr` to the byte `value` (0..255)."""
+        """Set `nbytes` (>= 0) bytes at `ptr` to the byte `value` (0..255; else ValueError),
+        on `stream`."""
         ...
 
     def copy_h2d(self, src: Any, dst: DevicePtr) -> None:
-        """Copy every byte of host buffer `src` to `dst`; returns when done."""
+        """Copy every byte of host buffer `src` to `dst`; returns when done (pageable or
+        pinned `src`). A strided buffer raises ValueError, a non-buffer TypeError."""
         ...
 
     def copy_d2h(self, src: DevicePtr, dst: Any) -> None:
-        """Fill writable host buffer `dst` from `src` (len(dst) bytes); returns when done."""
+        """Fill writable host buffer `dst` from `src` (len(dst) bytes); returns when done.
+        A read-only or strided `dst` raises ValueError."""
         ...
 
     def copy_d2d(self, src: DevicePtr, dst: DevicePtr, nbytes: int, stream: int) -> None:
-        """Copy `nbytes` from `src` to `dst` on `stream`."""
+        """Copy `nbytes` (>= 0) from `src` to `dst` on `stream`."""
         ...
 
     def synchronize(self, stream: int) -> None:
-        """Wait until all work enqueued on `stream` has finished."""
+        """Wait until all work enqueued on `stream` has finished; ValueError for a stream
+        that is not (or no longer) one of the backend's."""
         ...
 
     def synchronize_all(self) -> None:
@@ -213,19 +229,23 @@ class GpuBackend(Protocol):
         ...
 
     def mem_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the device."""
+        """(free bytes, total bytes) of the device, ints with 0 <= free <= total; an
+        allocation takes at least its size from free, its free gives it back."""
         ...
 
     def create_stream(self) -> int:
-        """A new stream handle, to be destroyed with `destroy_stream`."""
+        """A new stream handle, distinct from the default and every live stream, to be
+        destroyed with `destroy_stream`."""
         ...
 
     def destroy_stream(self, stream: int) -> None:
-        """Destroy a stream made by `create_stream` (after its work has finished)."""
+        """Destroy a stream made by `create_stream` (after its work has finished); the
+        default stream, a destroyed or an unknown handle raise ValueError naming it."""
         ...
 
     def create_block_regions(self, rows: Sequence[tuple[int, int, int]]) -> BlockRegions:
-        """Make a region table from `(base, stride, nbytes)` rows, uploaded once to the device."""
+        """Make a region table from `(base, stride, nbytes)` rows (validated as
+        `BlockRegions.from_rows` does), with whatever device copy the backend needs."""
         ...
 
     def destroy_block_regions(self, regions: BlockRegions) -> None:
@@ -235,21 +255,25 @@ class GpuBackend(Protocol):
     def fill_blocks(
         self, regions: BlockRegions, blocks: Sequence[int], value: int, stream: int
     ) -> None:
-        """Set every byte of every listed block in every region to `value`, in one launch."""
+        """Set the `nbytes` bytes of every listed block in every region to `value` (the gap
+        up to the stride untouched). A negative index or a value outside 0..255 raises
+        ValueError, a block past a region's allocation IndexError or DeviceMemoryError."""
         ...
 
     def copy_blocks(
         self, regions: BlockRegions, src: Sequence[int], dst: Sequence[int], stream: int
     ) -> None:
-        """Copy block `src[i]` over block `dst[i]` in every region, in one launch.
-        No `dst` may repeat or appear in `src`."""
+        """Copy block `src[i]` over block `dst[i]` in every region. Unequal lengths, a
+        repeated `dst` or a block in both raise ValueError (`check_copy_pairs`); bounds as
+        for `fill_blocks`."""
         ...
 
     def reduce_bf16_blocks(
         self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int
     ) -> Bf16Stats:
         """Sum, sum of squares and sum of |x| over the BF16 values of the listed blocks of
-        region `region`, each exact then rounded once to float64 (pagedkv.exact_sum), so
-        identical on every backend and grid; the row's base, stride and block size must be
-        even. Returns when the result is on the host."""
+        region `region` (IndexError when out of range), each exact then rounded once to
+        float64 (pagedkv.exact_sum: equal to math.fsum of the widened values), so identical
+        on every backend and grid; the row's base, stride and block size must be even.
+        Returns when the result is on the host. No blocks give (0.0, 0.0, 0.0)."""
         ...

@@ -25,6 +25,7 @@ from .backend import (
     check_fill_byte,
     host_bytes,
 )
+from .capabilities import check_capability_name
 from .errors import DeviceMemoryError, DeviceOutOfMemory
 from .exact_sum import bf16_stats
 from .streams import stream_handle
@@ -52,6 +53,13 @@ class HostBackend:
         self._arrays: dict[int, np.ndarray] = {}
         self._streams = {0}
         self._next_stream = 1
+
+    SUPPORTED = frozenset({"batched_copy", "host_view", "device:cpu"})
+    """The capabilities HostBackend states (see pagedkv.capabilities)."""
+
+    def supports(self, name: str) -> bool:
+        """True for "batched_copy", "host_view" and "device:cpu"; ValueError for an unknown name."""
+        return check_capability_name(name) in self.SUPPORTED
 
     # -- memory ---------------------------------------------------------------------
 

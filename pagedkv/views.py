@@ -9,8 +9,9 @@ A `PoolView` describes one pool as a tensor, zero copy, for DLPack consumers (an
   `(num_blocks, block_size, row_data_bytes)` and `scale_view()` `(num_blocks, block_size,
   groups_per_row * scale_bytes)` as strided views of the same memory (docs/FORMATS.md).
 
-On HostBackend the device is kDLCPU and the tensor is the backend's own host memory; on
-CudaBackend it is kDLCUDA with the device ordinal. A view is valid while the cache is:
+The device comes from the backend's "device:<kind>" capability (pagedkv.capabilities): on
+HostBackend it is kDLCPU and the tensor is the backend's own host memory; on CudaBackend
+it is kDLCUDA with the device ordinal. A view is valid while the cache is:
 exporting after `cache.release` raises, and a consumer's tensor must not outlive the pool.
 """
 
@@ -23,9 +24,9 @@ import ml_dtypes
 import numpy as np
 
 from .backend import DevicePtr
+from .capabilities import BackendFeatureMissing, backend_supports, device_kind, require
 from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, DlpackProducer, TensorSpec
 from .dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
-from .host_backend import HostBackend
 from .streams import stream_handle
 
 NUMPY_DTYPES = {
@@ -44,14 +45,23 @@ _ELEMENT_DTYPES = {KvCacheDtype.BF16: "bfloat16", KvCacheDtype.FP8: "float8_e4m3
 
 
 def dlpack_device_of(gpu: Any) -> tuple[int, int]:
-    """`(kDLCPU, 0)` for a HostBackend, `(kDLCUDA, gpu.device_ordinal)` for a CUDA backend;
-    TypeError for anything else."""
-    if isinstance(gpu, HostBackend):
+    """The DLPack device of the backend's memory, from its "device:<kind>" capability:
+    `(kDLCPU, 0)` or `(kDLCUDA, gpu.device_ordinal)`; BackendFeatureMissing (a TypeError)
+    for a backend that states no device kind (or one views cannot export)."""
+    kind = device_kind(gpu)
+    if kind is None:
+        raise BackendFeatureMissing(
+            f"a pool view needs a backend that states its device kind (supports('device:cpu'), "
+            f"'device:cuda' or 'device:rocm'); {type(gpu).__name__} states none"
+        )
+    if kind == "cpu":
         return (KDL_CPU, 0)
+    if kind != "cuda":
+        raise BackendFeatureMissing(f"pool views export cpu or cuda memory, not the {kind} memory of {type(gpu).__name__}")
     ordinal = getattr(gpu, "device_ordinal", None)
-    if isinstance(ordinal, int) and not isinstance(ordinal, bool):
-        return (KDL_CUDA, ordinal)
-    raise TypeError(f"cannot tell the DLPack device of backend {type(gpu).__name__}: no device_ordinal")
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int):
+        raise TypeError(f"backend {type(gpu).__name__} supports 'device:{kind}' but has no int device_ordinal")
+    return (KDL_CUDA, ordinal)
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ class _MemoryExport(DlpackProducer):
         layout, base = self._layout(), self._address()
         itemsize = NUMPY_DTYPES[layout.dtype].itemsize
         strides = tuple(s // itemsize for s in layout.strides)
-        if isinstance(self._gpu, HostBackend):
+        if backend_supports(self._gpu, "host_view"):
             memory = self._gpu.view(base, self._extent())  # raises once the memory is freed
             return TensorSpec(
                 memory.__array_interface__["data"][0], layout.offset, (KDL_CPU, 0),
@@ -112,13 +122,14 @@ class _MemoryExport(DlpackProducer):
         return np.array(_strided(raw, layout, writeable=False)), layout.dtype
 
     def _consumer_waits(self, handle: int) -> None:
+        require(self._gpu, "stream_wait", "a DLPack export to a consumer's stream")
         self._gpu.make_stream_wait(handle, self._stream)
 
     def host_array(self) -> np.ndarray:
-        """On HostBackend, the view as a numpy array over the backend's memory (zero copy;
-        bfloat16 / float8_e4m3fn from ml_dtypes); TypeError on a CUDA backend."""
-        if not isinstance(self._gpu, HostBackend):
-            raise TypeError("host_array() needs a HostBackend; use DLPack (e.g. torch.from_dlpack) on CUDA")
+        """On a backend with "host_view" (HostBackend), the view as a numpy array over the
+        backend's memory (zero copy; bfloat16 / float8_e4m3fn from ml_dtypes);
+        BackendFeatureMissing (a TypeError) elsewhere: use DLPack (e.g. torch.from_dlpack)."""
+        require(self._gpu, "host_view", "host_array() (use DLPack, e.g. torch.from_dlpack, elsewhere)")
         layout = self._layout()
         return _strided(self._gpu.view(self._address(), self._extent()), layout, writeable=not self._readonly)
 

@@ -80,59 +80,20 @@ def test_lifecycle_context_modules_and_close(stub_env):
     ''')
 
 
-def test_memory_copies_and_memset_round_trip(stub_env):
+def test_memory_calls_reach_the_driver_once_each(stub_env):
+    """What the conformance suite (tests/test_conformance_cuda.py) cannot see: mem_info is
+    the driver's, zero-byte calls make no driver call, a refused free makes none."""
     run_on_stub(stub_env, '''
         from pagedkv.driver import CudaBackend
         from pagedkv.errors import DeviceMemoryError
-        rng = np.random.default_rng(7)
         with CudaBackend() as gpu:
             free0, total = gpu.mem_info()
             a, b = gpu.alloc(1000), gpu.alloc(1000)
             assert gpu.mem_info() == (free0 - 2000, total)
-            data = rng.integers(0, 256, 1000, dtype=np.uint8)
-            gpu.copy_h2d(data, a)
-            gpu.copy_h2d(bytes(range(10)), b)  # any buffer-protocol object
-            gpu.memset_async(b.offset(10), 0x5A, 990, 0)
-            gpu.copy_d2d(a.offset(100), b.offset(500), 200, 0)
-            gpu.synchronize(0)
-            out = np.empty(1000, np.uint8)
-            gpu.copy_d2h(b, out)
-            expect = np.full(1000, 0x5A, np.uint8)
-            expect[:10] = np.arange(10)
-            expect[500:700] = data[100:300]
-            assert np.array_equal(out, expect)
-            back = bytearray(1000)
-            gpu.copy_d2h(a, back)
-            assert bytes(back) == data.tobytes()
-            for bad in (0, -1, True, 1.5):
-                try:
-                    gpu.alloc(bad)
-                except ValueError as err:
-                    assert repr(bad) in str(err)
-                else:
-                    raise AssertionError(bad)
-            memsets = calls("cuMemsetD8Async")
+            memsets, copies = calls("cuMemsetD8Async"), calls("cuMemcpyDtoDAsync")
             gpu.memset_async(a, 1, 0, 0)  # zero bytes: nothing to do, as on the host
             gpu.copy_d2d(a, b, 0, 0)
-            assert calls("cuMemsetD8Async") == memsets
-            try:
-                gpu.memset_async(a, 1, -1, 0)
-            except ValueError as err:
-                assert "-1" in str(err)
-            else:
-                raise AssertionError("negative byte count")
-            try:
-                gpu.memset_async(a, 256, 4, 0)
-            except ValueError as err:
-                assert "256" in str(err)
-            else:
-                raise AssertionError("memset value 256")
-            try:
-                gpu.copy_d2h(a, bytes(4))
-            except ValueError as err:
-                assert "read-only" in str(err)
-            else:
-                raise AssertionError("read-only destination")
+            assert calls("cuMemsetD8Async") == memsets and calls("cuMemcpyDtoDAsync") == copies
             gpu.free(a)
             for again in (a, a.offset(8)):
                 try:
@@ -147,24 +108,18 @@ def test_memory_copies_and_memset_round_trip(stub_env):
     ''')
 
 
-def test_streams_and_pinned_async_copies(stub_env):
+def test_streams_and_pinned_buffers_are_driver_objects(stub_env):
+    """Beyond the conformance suite: streams and pinned buffers are live driver objects
+    until destroyed, and async copies refuse pageable memory."""
     run_on_stub(stub_env, '''
         from pagedkv.driver import CudaBackend, PinnedBuffer
         with CudaBackend() as gpu:
-            assert gpu.default_stream() == 0
             s1, s2 = gpu.create_stream(), gpu.create_stream()
-            assert s1 != s2 and 0 not in (s1, s2)
             assert STUB.stub_live_streams() == 2
             dev = gpu.alloc(256)
             with gpu.alloc_pinned(256) as pin:
                 assert isinstance(pin, PinnedBuffer) and len(pin) == 256
-                pin.array[:] = np.arange(256, dtype=np.uint8)
-                gpu.copy_h2d_async(pin, dev, s1)
-                gpu.synchronize(s1)
-                pin.array[:] = 0
-                gpu.copy_d2h_async(dev, pin.array[16:32], s2)  # a view of pinned memory is pinned
-                gpu.synchronize(s2)
-                assert pin.array[16:32].tolist() == list(range(16)) and pin.array[0] == 0
+                assert STUB.stub_live_host_allocations() >= 1
                 try:
                     gpu.copy_h2d_async(np.zeros(16, np.uint8), dev, s1)
                 except ValueError as err:
@@ -172,20 +127,13 @@ def test_streams_and_pinned_async_copies(stub_env):
                 else:
                     raise AssertionError("pageable memory accepted by an async copy")
             assert STUB.stub_live_host_allocations() == 0, "freed at the end of the with block"
-            gpu.destroy_stream(s1)
-            for bad in (s1, 0, 12345):
-                try:
-                    gpu.destroy_stream(bad)
-                except ValueError as err:
-                    assert str(bad) in str(err)
-                else:
-                    raise AssertionError(bad)
             try:
-                gpu.synchronize(s1)
+                gpu.destroy_stream(12345)
             except ValueError as err:
-                assert "unknown stream" in str(err)
+                assert "12345" in str(err)
             else:
-                raise AssertionError("synchronize on a destroyed stream")
+                raise AssertionError("an unknown stream destroyed")
+            gpu.destroy_stream(s1)
             gpu.destroy_stream(s2)
             gpu.free(dev)
             assert STUB.stub_live_streams() == 0
@@ -495,42 +443,6 @@ def test_context_made_current_on_each_calling_thread(stub_env):
             t.start(); t.join()
             assert len(results) == 1
             assert calls("cuCtxSetCurrent") == before + 1
-    ''')
-
-
-def test_paged_cache_on_stub_matches_host_backend(stub_env):
-    run_on_stub(stub_env, '''
-        from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
-        from pagedkv.driver import CudaBackend
-        rng = np.random.default_rng(5)
-        config = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=16, num_layers=3, dtype="bf16k_turbo3v")
-        host = HostBackend(1 << 24)
-        with CudaBackend() as gpu:
-            caches = [PagedKvCache(config, 12, gpu), PagedKvCache(config, 12, host)]
-            for cache in caches:
-                cache.alloc_blocks(12)  # only held blocks may be written
-            for layer in range(3):
-                for block in range(12):
-                    k = rng.integers(0, 256, config.k_block_bytes_for_layer(layer), dtype=np.uint8)
-                    v = rng.integers(0, 256, config.v_block_bytes_for_layer(layer), dtype=np.uint8)
-                    for cache, backend in zip(caches, (gpu, host)):
-                        cache.write_block(layer, block, k, v, backend)
-            for cache, backend in zip(caches, (gpu, host)):
-                cache.zero_blocks([1, 4], backend, 0)
-                cache.poison_block(7, backend, 0)
-                cache.copy_blocks([(2, 9), (5, 10), (4, 11)], backend, 0)
-                backend.synchronize(0)
-            for layer in range(3):
-                for block in range(12):
-                    (gk, gv), (hk, hv) = (c.read_block(layer, block, b) for c, b in zip(caches, (gpu, host)))
-                    assert np.array_equal(gk, hk) and np.array_equal(gv, hv), (layer, block)
-                region = caches[0].region_index(layer, "K")
-                got = gpu.reduce_bf16_blocks(caches[0].block_regions(), region, [0, 3, 9, 11], 0)
-                want = host.reduce_bf16_blocks(caches[1].block_regions(), region, [0, 3, 9, 11], 0)
-                assert np.allclose(got, want, rtol=1e-12, equal_nan=True), (got, want)
-            for cache, backend in zip(caches, (gpu, host)):
-                cache.release(backend)
-            assert gpu.live_allocations() == 0
     ''')
 
 

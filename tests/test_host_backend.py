@@ -1,17 +1,14 @@
-"""The backend contract (run on every backend via `gpu`) and HostBackend's own strictness (`host`)."""
+"""DevicePtr and HostBackend's own strictness (`host`). The backend contract itself, on every
+backend, is the conformance suite: tests/test_conformance_*.py (pagedkv.testing)."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from pagedkv import (
     NULL,
-    Bf16Stats,
-    BlockRegions,
     DeviceMemoryError,
     DeviceOutOfMemory,
     DevicePtr,
-    GpuBackend,
     HostBackend,
 )
 
@@ -59,10 +56,6 @@ def test_device_ptr_accepts_numpy_int():
 
 
 # -- allocation (HostBackend) ----------------------------------------------------------
-
-
-def test_host_backend_is_a_gpu_backend(host):
-    assert isinstance(host, GpuBackend)
 
 
 def test_addresses_aligned_unique_non_zero(host):
@@ -193,64 +186,13 @@ def test_streams(host):
     host.synchronize(s2)
 
 
-# -- memset and copies (every backend) ------------------------------------------------
+# -- copies (HostBackend) ----------------------------------------------------------------
 
 
 def read(gpu, ptr, n):
     out = np.empty(n, np.uint8)
     gpu.copy_d2h(ptr, out)
     return out
-
-
-def test_memset(gpu):
-    s = gpu.default_stream()
-    p = gpu.alloc(1024)
-    gpu.memset_async(p, 0, 1024, s)
-    gpu.memset_async(p.offset(100), 0xAB, 200, s)
-    gpu.synchronize(s)
-    out = read(gpu, p, 1024)
-    expected = np.zeros(1024, np.uint8)
-    expected[100:300] = 0xAB
-    np.testing.assert_array_equal(out, expected)
-    for bad in (256, -1):
-        with pytest.raises(ValueError, match=str(bad)):
-            gpu.memset_async(p, bad, 1, s)
-    gpu.free(p)
-
-
-def test_copy_h2d_d2h_numpy_and_bytes(gpu):
-    rng = np.random.default_rng(1)
-    p = gpu.alloc(4096)
-    data = rng.integers(0, 256, 4096, dtype=np.uint8)
-    gpu.copy_h2d(data, p)
-    np.testing.assert_array_equal(read(gpu, p, 4096), data)
-    # bytes in, bytearray out
-    gpu.copy_h2d(b"hello", p.offset(10))
-    out = bytearray(7)
-    gpu.copy_d2h(p.offset(9), out)
-    assert bytes(out) == bytes([data[9]]) + b"hello" + bytes([data[15]])
-    # typed numpy arrays move as their raw bytes
-    floats = np.arange(8, dtype=np.float32)
-    gpu.copy_h2d(floats, p)
-    back = np.empty(8, np.float32)
-    gpu.copy_d2h(p, back)
-    np.testing.assert_array_equal(back, floats)
-    gpu.free(p)
-
-
-def test_copy_d2d(gpu):
-    s = gpu.default_stream()
-    a, b = gpu.alloc(512), gpu.alloc(512)
-    data = np.arange(512, dtype=np.uint16).astype(np.uint8)
-    gpu.copy_h2d(data, a)
-    gpu.memset_async(b, 0, 512, s)
-    gpu.copy_d2d(a.offset(8), b.offset(100), 64, s)
-    gpu.synchronize(s)
-    expected = np.zeros(512, np.uint8)
-    expected[100:164] = data[8:72]
-    np.testing.assert_array_equal(read(gpu, b, 512), expected)
-    gpu.free(a)
-    gpu.free(b)
 
 
 def test_host_copy_d2d_overlap_is_memmove(host):
@@ -270,7 +212,7 @@ def test_host_copy_refuses_bad_host_buffers(host):
         host.copy_h2d([1, 2, 3], p)
 
 
-# -- block kernels (every backend) ----------------------------------------------------
+# -- block kernels (HostBackend) -----------------------------------------------------
 
 BLOCKS = 6
 
@@ -292,62 +234,6 @@ def make_regions(gpu, specs):
 SPECS = [(64, 64), (96, 80), (32, 32)]  # row 1 has a 16-byte gap after each block
 
 
-def test_block_regions_table(gpu):
-    pools, regions, _ = make_regions(gpu, SPECS)
-    assert isinstance(regions, BlockRegions) and len(regions) == 3
-    assert regions.bases.tolist() == [int(p) for p in pools]
-    assert regions.strides.tolist() == [64, 96, 32]
-    assert regions.nbytes.tolist() == [64, 80, 32]
-    gpu.destroy_block_regions(regions)
-
-
-@pytest.mark.parametrize(
-    "rows, match",
-    [([(0, 64, 64)], "non-null"), ([(4096, 64, 65)], "nbytes <= stride"), ([(4096, 64, 0)], "nbytes <= stride")],
-)
-def test_block_regions_validation(rows, match):
-    with pytest.raises(ValueError, match=match):
-        BlockRegions.from_rows(rows)
-
-
-def test_fill_blocks(gpu):
-    s = gpu.default_stream()
-    pools, regions, contents = make_regions(gpu, SPECS)
-    gpu.fill_blocks(regions, [4, 1], 0xEE, s)
-    gpu.synchronize(s)
-    for p, (stride, nbytes), before in zip(pools, SPECS, contents):
-        expected = before.copy()
-        for b in (1, 4):
-            expected[b * stride : b * stride + nbytes] = 0xEE  # the gap after nbytes keeps its bytes
-        np.testing.assert_array_equal(read(gpu, p, BLOCKS * stride), expected)
-    gpu.fill_blocks(regions, [], 0, s)  # nothing to do
-    gpu.destroy_block_regions(regions)
-
-
-def test_copy_blocks(gpu):
-    s = gpu.default_stream()
-    pools, regions, contents = make_regions(gpu, SPECS)
-    gpu.copy_blocks(regions, [0, 5], [3, 1], s)
-    gpu.synchronize(s)
-    for p, (stride, nbytes), before in zip(pools, SPECS, contents):
-        expected = before.copy()
-        for src, dst in ((0, 3), (5, 1)):
-            expected[dst * stride : dst * stride + nbytes] = before[src * stride : src * stride + nbytes]
-        np.testing.assert_array_equal(read(gpu, p, BLOCKS * stride), expected)
-    gpu.destroy_block_regions(regions)
-
-
-@pytest.mark.parametrize(
-    "src, dst, match",
-    [([0, 1], [2], "as many src as dst"), ([0, 1], [2, 2], "destinations repeat"), ([0, 1], [1, 2], r"\[1\] are both")],
-)
-def test_copy_blocks_refuses_racy_pairs(gpu, src, dst, match):
-    pools, regions, contents = make_regions(gpu, SPECS)
-    with pytest.raises(ValueError, match=match):
-        gpu.copy_blocks(regions, src, dst, gpu.default_stream())
-    gpu.destroy_block_regions(regions)
-
-
 def test_host_block_kernels_bounds_checked(host):
     pools, regions, contents = make_regions(host, SPECS)
     with pytest.raises(DeviceMemoryError, match="past the end"):
@@ -363,71 +249,11 @@ def test_host_block_kernels_bounds_checked(host):
         np.testing.assert_array_equal(read(host, p, BLOCKS * stride), before)
 
 
-def write_bf16(gpu, values_per_block, stride):
-    p = gpu.alloc(len(values_per_block) * stride)
-    for b, vals in enumerate(values_per_block):
-        gpu.copy_h2d(np.asarray(vals, dtype=ml_dtypes.bfloat16), p.offset(b * stride))
-    return p
-
-
-def expected_stats(blocks_values):
-    v = np.concatenate([np.asarray(x, dtype=ml_dtypes.bfloat16).astype(np.float64) for x in blocks_values])
-    return v.sum(), (v * v).sum(), np.abs(v).sum()
-
-
-def test_reduce_bf16_exact_on_dyadic_values(gpu):
-    # multiples of 1/8 below 32 in magnitude: every sum is exact in float64 in any order
-    rng = np.random.default_rng(3)
-    n = 40  # BF16 values per block (80 bytes), stride 96
-    vals = [(rng.integers(-255, 256, n) / 8.0) for _ in range(BLOCKS)]
-    p = write_bf16(gpu, vals, 96)
-    regions = gpu.create_block_regions([(int(p), 96, 80)])
-    stats = gpu.reduce_bf16_blocks(regions, 0, [5, 0, 2], gpu.default_stream())
-    assert isinstance(stats, Bf16Stats)
-    assert tuple(stats) == expected_stats([vals[5], vals[0], vals[2]])
-    assert gpu.reduce_bf16_blocks(regions, 0, [], gpu.default_stream()) == (0.0, 0.0, 0.0)
-    gpu.destroy_block_regions(regions)
-
-
-def test_reduce_bf16_normal_values_and_row_choice(gpu):
-    rng = np.random.default_rng(4)
-    n = 512
-    a_vals = [rng.standard_normal(n) * 3 for _ in range(BLOCKS)]
-    b_vals = [rng.standard_normal(n) for _ in range(BLOCKS)]
-    a, b = write_bf16(gpu, a_vals, 2 * n), write_bf16(gpu, b_vals, 2 * n)
-    regions = gpu.create_block_regions([(int(a), 2 * n, 2 * n), (int(b), 2 * n, 2 * n)])
-    for row, vals in ((0, a_vals), (1, b_vals)):
-        got = gpu.reduce_bf16_blocks(regions, row, [1, 3, 4], gpu.default_stream())
-        want = expected_stats([vals[1], vals[3], vals[4]])
-        assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
-    gpu.destroy_block_regions(regions)
-
-
-def test_reduce_bf16_special_values(gpu):
-    vals = [[1.0, -2.0, 0.0, -0.0, 65280.0, -3.5e-38, 1e-40, 0.5]]  # includes a subnormal
-    p = write_bf16(gpu, vals, 16)
-    regions = gpu.create_block_regions([(int(p), 16, 16)])
-    got = gpu.reduce_bf16_blocks(regions, 0, [0], gpu.default_stream())
-    assert tuple(got) == pytest.approx(expected_stats(vals), rel=1e-15)
-    gpu.destroy_block_regions(regions)
-
-
 def test_host_reduce_refuses_odd_block(host):
     p = host.alloc(64)
     regions = host.create_block_regions([(int(p), 32, 31)])
     with pytest.raises(ValueError, match="odd block size 31"):
         host.reduce_bf16_blocks(regions, 0, [0], 0)
-
-
-def test_copy_bfloat16_arrays_both_ways(gpu):
-    values = np.array([1.5, -2.0, 3.25, 0.0], dtype=ml_dtypes.bfloat16)
-    p = gpu.alloc(8)
-    gpu.copy_h2d(values, p)
-    back = np.zeros(4, dtype=ml_dtypes.bfloat16)
-    gpu.copy_d2h(p, back)
-    np.testing.assert_array_equal(back, values)
-    assert bytes(read(gpu, p, 8)) == values.tobytes()
-    gpu.free(p)
 
 
 def test_host_copy_d2h_refuses_read_only_array(host):

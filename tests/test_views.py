@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pagedkv import DeviceMemoryError, KvCacheConfig, KvCacheError, PagedKvCache, SequenceTable
+from pagedkv.capabilities import BackendFeatureMissing
 from pagedkv.codecs import encode
 from kernel_harness.stub import run_on_stub
 
@@ -112,7 +113,7 @@ def test_bad_view_requests_name_the_value(host):
         cache.k_view(0, host).scale_view()
     with pytest.raises(TypeError, match="stream"):
         cache.k_view(0, host, stream="s")
-    with pytest.raises(TypeError, match="no device_ordinal"):
+    with pytest.raises(BackendFeatureMissing, match="device kind.*object states none"):
         cache.k_view(0, object())
     with pytest.raises(AttributeError, match="only on CUDA views"):
         cache.k_view(0, host).__cuda_array_interface__

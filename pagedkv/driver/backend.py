@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from ..backend import DevicePtr
+from ..capabilities import check_capability_name
 from ..log import get_logger
 from ..validate import non_negative_int
 from ._bindings import driver as _driver
@@ -150,6 +151,14 @@ class CudaBackend(MemoryAndCopies, BlockKernels):
         for module in self._modules:
             attempt(lambda m=module: check(driver.cuModuleUnload(m.handle), "cuModuleUnload"))
         self._modules, self._launchers = [], {}
+
+    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "device:cuda"})
+    """The capabilities CudaBackend states (see pagedkv.capabilities)."""
+
+    def supports(self, name: str) -> bool:
+        """True for "pinned", "batched_copy", "stream_wait" and "device:cuda"; ValueError for
+        an unknown name."""
+        return check_capability_name(name) in self.SUPPORTED
 
     def __enter__(self) -> "CudaBackend":
         return self
