@@ -72,3 +72,8 @@ def test_every_path_in_the_layout_table_exists():
     assert "pagedkv/allocator.py" in named and "pagedkv/kv_rows.py" in named
     missing = [p for p in named if not (README.parent / p).exists()]
     assert missing == []
+    package = README.parent / "pagedkv"
+    modules = [f"pagedkv/{m.name}" for m in package.glob("*.py") if m.name not in ("__init__.py", "__main__.py")]
+    modules += [f"pagedkv/{d.name}/" for d in package.iterdir() if (d / "__init__.py").exists()]
+    unnamed = [m for m in sorted(modules) if not any(m == n or m.startswith(n) for n in named if n.endswith("/") or n == m)]
+    assert unnamed == []
