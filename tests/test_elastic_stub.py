@@ -1,0 +1,123 @@
+"""Elastic pools over the libcuda stub: CudaBackend's VMM calls (tests/stub_libcuda, the
+ELASTIC section) with real page protection, and kernels run by the harness.
+
+An access to an unmapped chunk is checked two ways: a driver copy or memset is refused by
+the stub's range check (CUDA_ERROR_INVALID_VALUE, raised as CudaError), and a kernel that
+touches one takes a real SIGSEGV on the PROT_NONE pages. The kernel case runs in its own
+subprocess, which must die of the signal after the stub's handler has named the address and
+the reservation on stderr: robust, because nothing tries to resume a faulted fiber.
+"""
+
+from __future__ import annotations
+
+import signal
+from textwrap import dedent
+
+from kernel_harness.stub import run_on_stub, run_on_stub_unchecked
+
+SETUP = '''
+from pagedkv import KvCacheConfig, PagedKvCache
+from pagedkv.driver import CudaBackend
+from pagedkv.errors import KvCacheError, KvCacheExhausted
+STUB.stub_set_vmm_granularity.argtypes = [ctypes.c_size_t]
+STUB.stub_set_vmm_granularity(4096)
+config = KvCacheConfig(block_size=16, num_kv_heads=1, head_dim=16, num_layers=2, dtype="bf16")  # 512-byte blocks
+'''
+
+
+def test_elastic_cache_maps_in_steps_and_kernels_run_on_mapped_chunks(stub_env):
+    run_on_stub(stub_env, SETUP + dedent('''
+        with CudaBackend() as gpu:
+            assert gpu.supports("vmm") and gpu.vmm_granularity() == 4096
+            free0, total = gpu.mem_info()
+            cache = PagedKvCache(config, 64, gpu, elastic=True)
+            assert STUB.stub_live_reservations() == 4 and cache.resident_blocks() == 0
+            assert gpu.mem_info()[0] == free0 - 96  # only the region table: 4 rows of 3 int64
+            table = cache.alloc_blocks(3)
+            assert table == [0, 1, 2] and cache.resident_blocks() == 8
+            assert calls("cuMemCreate") == 4 and calls("cuMemMap") == 4 and calls("cuMemSetAccess") == 4
+            assert gpu.mem_info()[0] == free0 - 96 - 4 * 4096
+            data = (np.arange(512) % 251).astype(np.uint8)
+            cache.write_block(1, 2, data, data[::-1].copy(), gpu)
+            cache.copy_blocks([(2, 1)], gpu, 0)          # kernel over mapped chunks
+            gpu.synchronize(0)
+            k, v = cache.read_block(1, 1, gpu)
+            assert np.array_equal(k, data) and np.array_equal(v, data[::-1])
+            more = cache.alloc_blocks(10)
+            assert more == list(range(3, 13)) and cache.resident_blocks() == 16
+            cache.fill_blocks(more, 7, gpu, 0)
+            gpu.synchronize(0)
+            assert np.array_equal(cache.read_block(0, 12, gpu)[1], np.full(512, 7, np.uint8))
+            cache.free_blocks(more)
+            before = gpu.mem_info()[0]
+            assert cache.shrink(gpu) == 4 * 4096 and cache.resident_blocks() == 8
+            assert calls("cuMemUnmap") == 4 and calls("cuMemRelease") == 4
+            assert gpu.mem_info()[0] == before + 4 * 4096
+            k, _ = cache.read_block(1, 1, gpu)  # what stayed mapped kept its bytes
+            assert np.array_equal(k, data)
+            cache.free_blocks(table)
+            assert cache.shrink(gpu) == 4 * 4096 and gpu.mem_info()[0] == before + 8 * 4096
+            cache.alloc_blocks(9)  # two steps mapped again, released with the cache
+            cache.release(gpu)
+            assert STUB.stub_live_reservations() == 0 and STUB.stub_live_mem_handles() == 0
+            assert gpu.mem_info()[0] == before + 8 * 4096 + 96
+    '''))
+
+
+def test_a_copy_into_an_unmapped_chunk_is_refused_by_the_driver(stub_env):
+    run_on_stub(stub_env, SETUP + dedent('''
+        from pagedkv.driver import CudaError
+        with CudaBackend() as gpu:
+            cache = PagedKvCache(config, 64, gpu, elastic=True)
+            cache.alloc_block()
+            tail = cache.k_pool_ptr(0).offset(8 * 512)  # block 8: the first unmapped chunk
+            for action in (lambda: gpu.copy_h2d(bytes(512), tail), lambda: gpu.copy_d2h(tail, bytearray(512))):
+                try:
+                    action()
+                except CudaError as err:
+                    assert err.status_name == "CUDA_ERROR_INVALID_VALUE", err
+                else:
+                    raise AssertionError("a copy into an unmapped chunk must fail")
+            try:
+                cache.zero_blocks([8], gpu, 0)   # the cache refuses before the kernel runs
+            except IndexError as err:
+                assert "block 8 is not resident" in str(err), err
+            else:
+                raise AssertionError("zeroing a block that is not resident must fail")
+            cache.release(gpu)
+    '''))
+
+
+def test_a_kernel_touching_an_unmapped_chunk_faults_loudly(stub_env):
+    proc = run_on_stub_unchecked(stub_env, SETUP + dedent('''
+        gpu = CudaBackend()
+        cache = PagedKvCache(config, 64, gpu, elastic=True)
+        cache.alloc_block()
+        print("mapped", cache.resident_blocks(), flush=True)
+        # behind the cache's back: the kernel writes block 20, in no mapped chunk
+        gpu.fill_blocks(cache.block_regions(), [20], 0xEE, 0)
+        gpu.synchronize(0)
+        print("survived", flush=True)
+    '''))
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stdout, proc.stderr)
+    assert "mapped 8" in proc.stdout and "survived" not in proc.stdout
+    assert "pagedkv stub: illegal address 0x" in proc.stderr
+    assert "(unmapped VMM chunk) in the reservation at 0x" in proc.stderr
+
+
+def test_device_without_vmm_is_refused_by_name(stub_env):
+    run_on_stub(stub_env, SETUP + dedent('''
+        STUB.stub_set_vmm_supported(0)
+        with CudaBackend() as gpu:
+            assert not gpu.supports("vmm") and not gpu.supports("teleport")
+            live = STUB.stub_live_allocations()
+            try:
+                PagedKvCache(config, 64, gpu, elastic=True)
+            except KvCacheError as err:
+                assert "elastic pools need virtual memory management ('vmm')" in str(err), err
+                assert "CudaBackend" in str(err), err
+            else:
+                raise AssertionError("elastic=True must need vmm")
+            assert STUB.stub_live_allocations() == live and STUB.stub_live_reservations() == 0
+            PagedKvCache(config, 64, gpu).release(gpu)  # the default path is unaffected
+    '''))
