@@ -121,3 +121,52 @@ def test_device_without_vmm_is_refused_by_name(stub_env):
             assert STUB.stub_live_allocations() == live and STUB.stub_live_reservations() == 0
             PagedKvCache(config, 64, gpu).release(gpu)  # the default path is unaffected
     '''))
+
+
+def test_two_caches_share_a_capped_stub_device_and_failed_maps_leave_nothing(stub_env):
+    run_on_stub(stub_env, SETUP + dedent('''
+        from pagedkv.driver import CudaError
+        STUB.stub_fail_next.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        with CudaBackend() as gpu:
+            a = PagedKvCache(config, 64, gpu, elastic=True)
+            b = PagedKvCache(config, 64, gpu, elastic=True)
+            free, total = gpu.mem_info()
+            STUB.stub_set_total_mem(total - free + 4 * 4 * 4096)  # room for four steps in all
+            burst = a.alloc_blocks(24)
+            b.alloc_blocks(8)
+            handles = STUB.stub_live_mem_handles()
+            try:
+                b.alloc_block()
+            except KvCacheExhausted as err:
+                assert "the device could not map more: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY" in str(err), err
+            else:
+                raise AssertionError("the capped device must refuse a fifth step")
+            assert STUB.stub_live_mem_handles() == handles and b.resident_blocks() == 8
+            a.free_blocks(burst[8:])
+            assert a.shrink(gpu) == 2 * 4 * 4096 and gpu.mem_info()[0] == 2 * 4 * 4096
+            STUB.stub_fail_next(b"cuMemSetAccess", 1)  # the third granule of the step fails
+            try:
+                b.alloc_block()
+            except CudaError as err:
+                assert err.call == "cuMemSetAccess", err
+            else:
+                raise AssertionError("an injected cuMemSetAccess failure must surface")
+            assert STUB.stub_live_mem_handles() == handles - 8 and b.resident_blocks() == 8  # a gave 8 back
+            assert gpu.mem_info()[0] == 2 * 4 * 4096
+            assert b.alloc_blocks(16) == list(range(8, 24)) and gpu.mem_info()[0] == 0
+            a.release(gpu)
+            b.release(gpu)
+            assert STUB.stub_live_reservations() == 0 and STUB.stub_live_mem_handles() == 0
+    '''))
+
+
+def test_close_releases_reservations_a_cache_left_behind(stub_env):
+    run_on_stub(stub_env, SETUP + dedent('''
+        gpu = CudaBackend()
+        cache = PagedKvCache(config, 64, gpu, elastic=True)
+        cache.alloc_blocks(12)
+        assert STUB.stub_live_reservations() == 4 and STUB.stub_live_mem_handles() == 8
+        gpu.close()  # the cache was never released
+        assert STUB.stub_live_reservations() == 0 and STUB.stub_live_mem_handles() == 0
+        assert STUB.stub_live_allocations() == 0
+    '''))
