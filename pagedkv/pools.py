@@ -152,6 +152,10 @@ class KvPools:
         """Blocks backed by memory in every pool: `num_blocks()` unless elastic."""
         return self._num_blocks if self._elastic is None else self._elastic.resident
 
+    def step_blocks(self) -> int:
+        """Blocks of one mapping step (1 unless elastic): `grow` and `trim` work in these."""
+        return 1 if self._elastic is None else self._elastic.step_blocks
+
     def check_resident(self, top: int) -> None:
         """IndexError naming block `top` (a valid index) when elastic pools do not back it."""
         if self._elastic is not None and top >= self._elastic.resident:
