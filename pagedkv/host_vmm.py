@@ -120,8 +120,7 @@ class HostAddressSpace:
             )
         g = res.granularity
         del res.chunks[offset]
-        res.mapped[offset // g : (offset + nbytes) // g] = False
-        res.memory[offset : offset + nbytes] = 0xA5  # stale bytes never reappear as data
+        res.mapped[offset // g : (offset + nbytes) // g] = False  # `map` zeroes it again
 
     def release(self, ptr: object) -> Reservation:
         """Forget the reservation starting at `ptr` (its chunks with it) and return it."""
