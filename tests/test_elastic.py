@@ -371,3 +371,14 @@ def test_check_invariants_sees_a_broken_heap_and_an_unbacked_reference():
     allocator._refs[30] = 1
     with pytest.raises(RefCountError, match="unbacked block 30 has count 1"):
         cache.check_invariants()
+
+
+def test_readme_elastic_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = re.findall(r"```py\n(.*?)```", readme, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["cache"].num_blocks() == 0 and namespace["gpu"].live_allocations() == 0
