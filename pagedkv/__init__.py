@@ -22,7 +22,8 @@ from .errors import (
 )
 from .host_backend import HostBackend
 from .kv_rows import SKIP_SLOT
-from .pools import KvPools
+from .elastic_allocator import ElasticBlockAllocator
+from .pools import ElasticMapping, KvPools
 from .prefix_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -51,6 +52,8 @@ __all__ = [
     "DeviceMemoryError",
     "DeviceOutOfMemory",
     "DevicePtr",
+    "ElasticBlockAllocator",
+    "ElasticMapping",
     "EnvFlags",
     "Exported",
     "GROUP_SIZE",

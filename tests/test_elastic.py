@@ -282,8 +282,6 @@ def test_the_default_cache_is_not_elastic_and_keeps_its_stack_order():
 
 
 def test_release_of_a_failed_construction_frees_every_reservation():
-    gpu = host()
-
     class FailingRegions(HostBackend):
         def create_block_regions(self, rows):
             raise RuntimeError("no table")

@@ -170,3 +170,45 @@ def test_close_releases_reservations_a_cache_left_behind(stub_env):
         assert STUB.stub_live_reservations() == 0 and STUB.stub_live_mem_handles() == 0
         assert STUB.stub_live_allocations() == 0
     '''))
+
+
+def test_stub_vmm_calls_follow_the_driver_rules(stub_env):
+    run_on_stub(stub_env, SETUP + dedent('''
+        from cuda.bindings import driver as d
+        from pagedkv.driver.errors import check, CudaError
+        gpu = CudaBackend()  # makes the primary context current
+        g = 4096
+        prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = 0
+        def status(result):
+            return int(result[0] if isinstance(result, tuple) else result)
+        base = int(check(d.cuMemAddressReserve(4 * g, g, 0, 0), "reserve"))
+        assert base % g == 0
+        assert status(d.cuMemAddressReserve(g + 1, 0, 0, 0)) == 1  # not a multiple of the granularity
+        handle = check(d.cuMemCreate(2 * g, prop, 0), "create")
+        check(d.cuMemMap(base + g, 2 * g, 0, handle, 0), "map")
+        assert status(d.cuMemcpyHtoD(base + g, bytes(16), 16)) == 1  # mapped, but no access yet
+        access = d.CUmemAccessDesc()
+        access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = 0
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        assert status(d.cuMemSetAccess(base, 2 * g, [access], 1)) == 1  # granule 0 is not mapped
+        check(d.cuMemSetAccess(base + g, 2 * g, [access], 1), "access")
+        check(d.cuMemcpyHtoD(base + g, b"\\x07" * 16, 16), "copy")
+        out = bytearray(16)
+        check(d.cuMemcpyDtoH(out, base + g, 16), "copy back")
+        assert bytes(out) == b"\\x07" * 16
+        assert status(d.cuMemcpyHtoD(base + 3 * g - 8, bytes(16), 16)) == 1  # runs into granule 3
+        assert status(d.cuMemUnmap(base + g, g)) == 1  # half a mapping
+        assert status(d.cuMemAddressFree(base, 4 * g)) == 1  # still mapped
+        check(d.cuMemRelease(handle), "release")  # freed once unmapped too
+        assert STUB.stub_live_mem_handles() == 1
+        check(d.cuMemUnmap(base + g, 2 * g), "unmap")
+        assert STUB.stub_live_mem_handles() == 0
+        assert status(d.cuMemcpyDtoH(out, base + g, 16)) == 1
+        check(d.cuMemAddressFree(base, 4 * g), "free")
+        assert STUB.stub_live_reservations() == 0
+        gpu.close()
+    '''))
