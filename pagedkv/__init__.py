@@ -10,6 +10,7 @@ from .backend import NULL, Bf16Stats, BlockRegions, DevicePtr, GpuBackend
 from .cache import POISON_BYTE, PagedKvCache
 from .config import KvCacheConfig
 from .dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, SideFormat, accepted_names, side_bytes
+from .elastic_allocator import ElasticBlockAllocator
 from .env import EnvFlags, flags
 from .errors import (
     DeviceMemoryError,
@@ -22,7 +23,6 @@ from .errors import (
 )
 from .host_backend import HostBackend
 from .kv_rows import SKIP_SLOT
-from .elastic_allocator import ElasticBlockAllocator
 from .pools import ElasticMapping, KvPools
 from .prefix_cache import (
     AllBlocksCleared,
