@@ -380,3 +380,17 @@ def test_readme_elastic_example_runs():
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["cache"].num_blocks() == 0 and namespace["gpu"].live_allocations() == 0
+
+
+def test_host_views_of_an_elastic_pool_need_it_resident():
+    gpu = host()
+    cfg = KvCacheConfig(block_size=16, num_kv_heads=1, head_dim=32, num_layers=1, dtype="nvfp4")
+    cache = PagedKvCache(cfg, 64, gpu, elastic=True)
+    block = cache.alloc_block()
+    with pytest.raises(DeviceMemoryError, match="touches the unmapped chunk at offset 4096"):
+        np.from_dlpack(cache.k_view(0, gpu))
+    cache.reserve(63, gpu)
+    pool = np.from_dlpack(cache.k_view(0, gpu))
+    assert pool.shape == (64, cache.k_block_stride_bytes_for_layer(0))
+    pool[block, :4] = [1, 2, 3, 4]  # zero-copy: the write lands in the pool
+    assert cache.read_block(0, block, gpu)[0][:4].tolist() == [1, 2, 3, 4]
