@@ -146,7 +146,7 @@ def run(args) -> None:
     print(f"  backend: {kind}, granularity {gpu.vmm_granularity() >> 10} KiB")
     _map_unmap(gpu, 16 if quick else 64, 2 if quick else 5)
     _alloc_path(gpu, 5_000 if quick else 50_000, 100 if quick else 1_000, 3 if quick else 7)
-    _burst(gpu, 2048)
+    _burst(gpu, 512 if quick else 2048)
     close = getattr(gpu, "close", None)
     if close is not None:
         close()
