@@ -3,10 +3,12 @@
 Blocks `[0, resident)` have memory; the free list holds the free ones among them, bucketed
 by mapping step, and hands out a block of the lowest step that has one, so used blocks
 gather at the bottom and the tail empties for `trim` (within a step the most recently freed
-block comes first, as in BlockAllocator). When the free list runs out, the allocator asks its `grow` callback to
-back the next step of blocks (in every layer's pools at once), then, if the device cannot
-give the memory, lets the reclaimer evict; when neither works, KvCacheExhausted with
-nothing changed. Invariants beyond BlockAllocator's: every free-list entry is below
+block comes first, as in BlockAllocator). NOTE: buckets, not a heap of block ids: a heap
+made an alloc+free pair 3.4x the non-elastic one; a bucket is one list op each way, and a
+step is the unit memory is given back in anyway. When the free list runs out, the
+allocator asks its `BlockBacking` to map the next step (in every layer's pools at once),
+then, if the device cannot give the memory, lets the reclaimer evict; when neither works,
+KvCacheExhausted with nothing changed. Invariants beyond BlockAllocator's: every free-list entry is below
 `resident` and in its step's bucket, and every block at or above `resident` has count 0.
 """
 
