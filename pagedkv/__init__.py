@@ -10,6 +10,7 @@ from .backend import NULL, Bf16Stats, BlockRegions, DevicePtr, GpuBackend
 from .cache import POISON_BYTE, PagedKvCache
 from .config import KvCacheConfig
 from .dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, SideFormat, accepted_names, side_bytes
+from .elastic_allocator import ElasticBlockAllocator
 from .env import EnvFlags, flags
 from .errors import (
     DeviceMemoryError,
@@ -23,7 +24,7 @@ from .errors import (
 from .guard import ConcurrentUseError
 from .host_backend import HostBackend
 from .kv_rows import SKIP_SLOT
-from .pools import KvPools
+from .pools import ElasticMapping, KvPools
 from .prefix_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -53,6 +54,8 @@ __all__ = [
     "DeviceMemoryError",
     "DeviceOutOfMemory",
     "DevicePtr",
+    "ElasticBlockAllocator",
+    "ElasticMapping",
     "EnvFlags",
     "Exported",
     "GROUP_SIZE",

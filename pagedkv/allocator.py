@@ -394,6 +394,10 @@ class BlockAllocator:
         """Blocks managed (0 after `release`)."""
         return self._num_blocks
 
+    def _unbacked_blocks(self) -> int:
+        """Blocks with no memory behind them (none here; see ElasticBlockAllocator)."""
+        return 0
+
     def released(self) -> bool:
         """True once `release` has run."""
         return self._released
@@ -445,8 +449,11 @@ class BlockAllocator:
         if any(c < 0 for c in refs):
             raise RefCountError("a block has a negative count")
         referenced = sum(1 for c in refs if c > 0)
-        if referenced + len(free) != self._num_blocks:
-            raise RefCountError(f"{len(free)} free + {referenced} referenced != {self._num_blocks} blocks")
+        unbacked = self._unbacked_blocks()
+        if referenced + len(free) + unbacked != self._num_blocks:
+            raise RefCountError(
+                f"{len(free)} free + {referenced} referenced + {unbacked} unbacked != {self._num_blocks} blocks"
+            )
         if held is None:
             return
         for block in held:

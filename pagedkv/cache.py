@@ -17,10 +17,11 @@ import numpy as np
 
 from . import diagnostics, kv_rows
 from .allocator import BlockAllocator, BlockReclaimer
+from .elastic_allocator import ElasticBlockAllocator
 from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
 from .config import KvCacheConfig
 from .env import flags
-from .errors import KvCacheError
+from .errors import KvCacheError, KvCacheExhausted
 from .log import get_logger
 from .pools import KvPools
 from .validate import non_negative_int, positive_int
@@ -49,16 +50,25 @@ _BOUND = (
 
 class PagedKvCache:
     """A paged KV cache: for every layer a K pool and a V pool of `num_blocks` blocks, and a
-    reference count per block. See `BlockAllocator` for the bookkeeping contract."""
+    reference count per block. See `BlockAllocator` for the bookkeeping contract.
 
-    def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend):
+    With `elastic=True` (a backend that `supports("vmm")`), `num_blocks` is a ceiling: the
+    pools reserve address space for it and memory is mapped in steps as blocks are
+    allocated (lowest block id first), given back by `shrink(gpu)` and mapped ahead by
+    `reserve(n, gpu)`; see `ElasticBlockAllocator` and `pagedkv.pools.ElasticMapping`."""
+
+    def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend, elastic: bool = False):
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
         num_blocks = positive_int(num_blocks, "num_blocks")
         env = flags()
         self._config = config
-        self._pools = KvPools(config, num_blocks, gpu)
-        self._allocator = BlockAllocator(num_blocks, trace=env.kv_trace)
+        self._pools = KvPools(config, num_blocks, gpu, elastic=elastic)
+        self._elastic = elastic is True
+        if self._elastic:
+            self._allocator = ElasticBlockAllocator(num_blocks, self._pools, trace=env.kv_trace)
+        else:
+            self._allocator = BlockAllocator(num_blocks, trace=env.kv_trace)
         self._init_value = POISON_BYTE if env.kv_poison else 0
         for name in _BOUND:  # the hot paths run as the allocator's bound methods
             setattr(self, name, getattr(self._allocator, name))
@@ -73,6 +83,7 @@ class PagedKvCache:
             dtype=str(config.dtype),
             mixed_formats=config.has_mixed_formats(),
             v_aliased=config.v_aliases_k,
+            elastic=self._elastic,
         )
 
     # -- construction and release -----------------------------------------------------
@@ -107,8 +118,12 @@ class PagedKvCache:
     # -- validation -------------------------------------------------------------------
 
     def _blocks(self, blocks: Iterable[int], what: str = "blocks") -> np.ndarray:
-        """`blocks` as an int64 array of in-range indices; the first bad entry is named."""
-        return np.asarray(self._allocator.blocks(blocks, what), dtype=np.int64)
+        """`blocks` as an int64 array of in-range (and, elastic, resident) indices; the first
+        bad entry is named."""
+        idx = np.asarray(self._allocator.blocks(blocks, what), dtype=np.int64)
+        if self._elastic and idx.size:
+            self._pools.check_resident(int(idx.max()))
+        return idx
 
     # -- allocation and reference counts (instances run the allocator's bound methods) --
 
@@ -163,6 +178,57 @@ class PagedKvCache:
     def block_history(self, block: int) -> list[str]:
         """See `BlockAllocator.block_history`."""
         return self._allocator.block_history(block)
+
+    # -- elastic memory ---------------------------------------------------------------
+
+    def is_elastic(self) -> bool:
+        """True for a cache made with `elastic=True`."""
+        return self._elastic
+
+    def resident_blocks(self) -> int:
+        """Blocks backed by memory, `[0, resident_blocks())` (`num_blocks()` unless elastic)."""
+        return self._allocator.resident_blocks() if self._elastic else self._allocator.num_blocks()
+
+    def mapped_bytes(self) -> int:
+        """Bytes of pool memory held on the device now (all of it unless elastic)."""
+        elastic = self._pools.elastic()
+        if elastic is not None:
+            return elastic.mapped_bytes()
+        return self._config.block_bytes_kv_all_layers() * self._allocator.num_blocks()
+
+    def shrink(self, gpu: GpuBackend) -> int:
+        """Unmap and release, in every pool, the memory of whole steps at the tail that no
+        block uses (count 0); returns the bytes given back (0 for a cache that is not
+        elastic). `gpu` must be the cache's backend (KvCacheError otherwise). A backend
+        error is raised after every pool was attempted, with what stayed mapped recorded."""
+        self._pools.check_backend(gpu)
+        if not self._elastic or self._allocator.released():
+            return 0
+        before = self.mapped_bytes()
+        try:
+            self._allocator.shrink()
+        finally:
+            given = before - self.mapped_bytes()
+            if given:
+                _log.info("kv_cache_shrunk", bytes=given, resident_blocks=self.resident_blocks())
+        return given
+
+    def reserve(self, n: int, gpu: GpuBackend) -> int:
+        """Map ahead so that at least `n` free blocks are resident; returns the bytes mapped.
+        KvCacheExhausted, nothing mapped, when the ceiling or the device cannot give them
+        (for a cache that is not elastic: when fewer than `n` blocks are free)."""
+        self._pools.check_backend(gpu)
+        n = non_negative_int(n, "number of blocks")
+        if not self._elastic:
+            if n > self._allocator.num_free_blocks():
+                raise KvCacheExhausted(
+                    f"reserve of {n} block(s): {self._allocator.num_free_blocks()} of "
+                    f"{self._allocator.num_blocks()} are free"
+                )
+            return 0
+        before = self.mapped_bytes()
+        self._allocator.reserve(n)
+        return self.mapped_bytes() - before
 
     def allocator(self) -> BlockAllocator:
         """The block allocator (free list and counts)."""

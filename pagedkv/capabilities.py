@@ -17,8 +17,9 @@ Names (`CAPABILITIES` maps each to what it promises):
   enqueued on one of the backend's streams (DLPack exports to CUDA consumers need it).
 - "host_view": `view(ptr, nbytes)` returns the device bytes as a writable numpy array
   (a backend whose addresses are not host addresses, like HostBackend, exports through it).
-- "vmm": reserved for virtual-memory pools (reserve an address range, map memory into it);
-  no backend and no pagedkv feature uses it yet, so every backend answers False.
+- "vmm": virtual memory for elastic pools: `vmm_granularity()`, `reserve_address(nbytes)`,
+  `map_chunk(ptr, nbytes)`, `unmap_chunk(ptr, nbytes)`, `release_address(ptr)`
+  (`PagedKvCache(..., elastic=True)` needs it).
 - "device:cpu", "device:cuda", "device:rocm": the kind of memory behind the device
   pointers (the DLPack device type of a pool view). At most one is true. A "device:cpu"
   backend's pointers are host addresses, unless it also states "host_view" (HostBackend:
@@ -36,7 +37,7 @@ CAPABILITIES: dict[str, str] = {
     "batched_copy": "fill_blocks and copy_blocks in one launch for every region and block",
     "stream_wait": "make_stream_wait(waiting, on) across streams",
     "host_view": "view(ptr, nbytes): device bytes as a host numpy array",
-    "vmm": "virtual-memory pools (reserved; unused today)",
+    "vmm": "vmm_granularity, reserve_address, map_chunk, unmap_chunk and release_address (elastic pools)",
     "device:cpu": "device pointers are host addresses, or reached through view() with host_view (DLPack kDLCPU)",
     "device:cuda": "device pointers are CUDA device memory (DLPack kDLCUDA, device_ordinal)",
     "device:rocm": "device pointers are ROCm device memory (DLPack kDLROCM, device_ordinal)",

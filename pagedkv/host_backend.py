@@ -28,6 +28,7 @@ from .backend import (
 from .capabilities import check_capability_name
 from .errors import DeviceMemoryError, DeviceOutOfMemory
 from .exact_sum import bf16_stats
+from .host_vmm import HostAddressSpace
 from .streams import stream_handle
 from .validate import positive_int
 
@@ -45,8 +46,9 @@ class HostBackend:
     """Device memory emulated in host RAM; addresses are unique, non-zero, 256-byte aligned
     and never reused, so a stale pointer is caught as unknown."""
 
-    def __init__(self, capacity_bytes: int = 8 << 30):
+    def __init__(self, capacity_bytes: int = 8 << 30, vmm_granularity: int = 2 << 20):
         self._capacity = positive_int(capacity_bytes, "capacity_bytes")
+        self._vmm = _host_address_space(vmm_granularity)
         self._used = 0
         self._next_address = _FIRST_ADDRESS
         self._bases: list[int] = []  # sorted allocation bases
@@ -54,11 +56,12 @@ class HostBackend:
         self._streams = {0}
         self._next_stream = 1
 
-    SUPPORTED = frozenset({"batched_copy", "host_view", "device:cpu"})
+    SUPPORTED = frozenset({"batched_copy", "host_view", "vmm", "device:cpu"})
     """The capabilities HostBackend states (see pagedkv.capabilities)."""
 
     def supports(self, name: str) -> bool:
-        """True for "batched_copy", "host_view" and "device:cpu"; ValueError for an unknown name."""
+        """True for "batched_copy", "host_view", "vmm" and "device:cpu"; ValueError for an
+        unknown name."""
         return check_capability_name(name) in self.SUPPORTED
 
     # -- memory ---------------------------------------------------------------------
@@ -107,6 +110,9 @@ class HostBackend:
         address = int(ptr)
         base = self._find(address)
         if base is None:
+            reservation = self._vmm.find(address)
+            if reservation is not None:
+                return self._vmm.view(reservation, address, nbytes)
             raise DeviceMemoryError(f"{DevicePtr(address)!r} is not inside any live allocation")
         arr = self._arrays[base]
         start = address - base
@@ -118,11 +124,11 @@ class HostBackend:
         return arr[start : start + nbytes]
 
     def live_allocations(self) -> int:
-        """How many allocations are live now."""
-        return len(self._arrays)
+        """How many allocations (and reserved address ranges) are live now."""
+        return len(self._arrays) + len(self._vmm)
 
     def live_bytes(self) -> int:
-        """How many bytes are allocated now."""
+        """How many bytes are allocated (or mapped into reserved ranges) now."""
         return self._used
 
     def mem_info(self) -> tuple[int, int]:
@@ -239,6 +245,56 @@ class HostBackend:
             return Bf16Stats(0.0, 0.0, 0.0)
         raw = np.ascontiguousarray(self._region_blocks(regions, region, idx)[idx])
         return bf16_stats(raw.view("<u2"))
+
+
+    # -- virtual memory: reserved ranges, chunks mapped on demand (see host_vmm) ------
+
+    def vmm_granularity(self) -> int:
+        """Bytes of the smallest chunk `map_chunk` maps (the constructor's `vmm_granularity`)."""
+        return self._vmm.granularity
+
+    def reserve_address(self, nbytes: int) -> DevicePtr:
+        """Reserve `nbytes` (a positive multiple of `vmm_granularity()`) of address space with
+        nothing mapped: every access raises until `map_chunk` backs it. Costs no capacity."""
+        granularity = self._vmm.granularity
+        base = -(-self._next_address // granularity) * granularity
+        self._vmm.reserve(base, nbytes)
+        self._next_address = base + nbytes + granularity  # guard gap; addresses never reused
+        return DevicePtr(base)
+
+    def map_chunk(self, ptr: DevicePtr, nbytes: int) -> None:
+        """Back the granule-aligned `nbytes` at `ptr` (inside one reservation, none of it
+        mapped) with fresh zeroed memory; DeviceOutOfMemory, nothing mapped, beyond the capacity."""
+        reservation, offset, nbytes = self._vmm.chunk(ptr, nbytes, "map_chunk")
+        free = self._capacity - self._used
+        if nbytes > free:
+            raise DeviceOutOfMemory(
+                f"HostBackend out of memory: map_chunk asked {nbytes} bytes ({_gib(nbytes)}), "
+                f"{free} bytes ({_gib(free)}) free of {self._capacity}"
+            )
+        self._vmm.map(reservation, offset, nbytes)
+        self._used += nbytes
+
+    def unmap_chunk(self, ptr: DevicePtr, nbytes: int) -> None:
+        """Unmap and release a chunk `map_chunk` mapped at `ptr` with exactly `nbytes`;
+        its bytes become inaccessible and its memory returns to the capacity."""
+        reservation, offset, nbytes = self._vmm.chunk(ptr, nbytes, "unmap_chunk")
+        self._vmm.unmap(reservation, offset, nbytes)
+        self._used -= nbytes
+
+    def release_address(self, ptr: DevicePtr) -> None:
+        """Unmap every chunk still mapped in the reservation starting at `ptr` and forget the
+        range; DeviceMemoryError for any other address."""
+        reservation = self._vmm.release(ptr)
+        self._used -= reservation.mapped_bytes()
+
+
+
+def _host_address_space(granularity: int) -> HostAddressSpace:
+    granularity = positive_int(granularity, "vmm_granularity")
+    if granularity % ALIGNMENT:
+        raise ValueError(f"vmm_granularity must be a multiple of {ALIGNMENT} bytes, got {granularity}")
+    return HostAddressSpace(granularity)
 
 
 def bf16_bytes_to_float64(raw: np.ndarray) -> np.ndarray:

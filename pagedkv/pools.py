@@ -4,11 +4,17 @@ A pool is one backend allocation of `num_blocks` blocks of its side's stride; un
 `v_aliases_k` a layer's V pool is its K pool. The region table has a row per pool, K then V
 per layer. Pools are freed only by `release`, on the backend that allocated them; a pool
 whose free fails stays recorded, so a later `release` retries it.
+
+Elastic pools (`elastic=True`, a backend that `supports("vmm")`) reserve address space for
+`num_blocks` blocks per pool and map memory in granules as blocks are needed
+(`ElasticMapping`): every block keeps its address for the pools' life, so region tables and
+views stay valid, and blocks `[0, resident_blocks())` are backed in every pool.
 """
 
 from __future__ import annotations
 
 from .backend import BlockRegions, DevicePtr, GpuBackend
+from .capabilities import require
 from .config import KvCacheConfig
 from .errors import KvCacheError
 from .log import get_logger
@@ -21,7 +27,7 @@ class KvPools:
     """The K and V pools of every layer of `config`, `num_blocks` blocks each, on `gpu`.
     Construction is all or nothing: a failed allocation frees what was allocated."""
 
-    def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend):
+    def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend, elastic: bool = False):
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
         num_blocks = positive_int(num_blocks, "num_blocks")
@@ -39,6 +45,11 @@ class KvPools:
         self._v_pools: list[DevicePtr] = []
         self._owned: list[DevicePtr] = []  # distinct allocations not yet freed
         self._regions: BlockRegions | None = None
+        self._elastic: ElasticMapping | None = None
+        if elastic is not False:
+            if elastic is not True:
+                raise TypeError(f"elastic must be True or False, got {elastic!r}")
+            self._elastic = ElasticMapping(num_blocks, max(self._k_stride + self._v_stride), gpu)
         self._live = True
         try:
             self._allocate(gpu)
@@ -50,18 +61,28 @@ class KvPools:
     def _allocate(self, gpu: GpuBackend) -> None:
         rows = []
         for layer in range(self._config.num_layers):
-            k_pool = gpu.alloc(self._num_blocks * self._k_stride[layer])
-            self._owned.append(k_pool)
+            k_pool = self._new_pool(gpu, self._k_stride[layer])
             self._k_pools.append(k_pool)
             rows.append((int(k_pool), self._k_stride[layer], self._k_stride[layer]))
             if self._config.v_aliases_k:
                 self._v_pools.append(k_pool)
             else:
-                v_pool = gpu.alloc(self._num_blocks * self._v_stride[layer])
-                self._owned.append(v_pool)
+                v_pool = self._new_pool(gpu, self._v_stride[layer])
                 self._v_pools.append(v_pool)
                 rows.append((int(v_pool), self._v_stride[layer], self._v_stride[layer]))
         self._regions = gpu.create_block_regions(rows)
+
+    def _new_pool(self, gpu: GpuBackend, stride: int) -> DevicePtr:
+        """One pool of `num_blocks` blocks of `stride` bytes: allocated, or (elastic)
+        reserved with nothing mapped; recorded in `_owned` before anything else can fail."""
+        if self._elastic is None:
+            pool = gpu.alloc(self._num_blocks * stride)
+            self._owned.append(pool)
+            return pool
+        pool = gpu.reserve_address(self._elastic.reserved_bytes(stride))
+        self._owned.append(pool)
+        self._elastic.add_pool(pool, stride)
+        return pool
 
     # -- release ----------------------------------------------------------------------
 
@@ -98,7 +119,11 @@ class KvPools:
         kept = []
         for pool in self._owned:
             try:
-                gpu.free(pool)
+                if self._elastic is None:
+                    gpu.free(pool)
+                else:
+                    gpu.release_address(pool)  # unmaps what is still mapped
+                    self._elastic.forget_pool(pool)
             except Exception as err:  # noqa: BLE001 - every pool must be attempted
                 kept.append(pool)
                 first = first or err
@@ -121,6 +146,43 @@ class KvPools:
         """The configuration the pools were sized for."""
         return self._config
 
+    # -- elastic mapping --------------------------------------------------------------
+
+    def elastic(self) -> ElasticMapping | None:
+        """The mapping state of elastic pools, or None for pools allocated whole."""
+        return self._elastic
+
+    def resident_blocks(self) -> int:
+        """Blocks backed by memory in every pool: `num_blocks()` unless elastic."""
+        return self._num_blocks if self._elastic is None else self._elastic.resident
+
+    def step_blocks(self) -> int:
+        """Blocks of one mapping step (1 unless elastic): `grow` and `trim` work in these."""
+        return 1 if self._elastic is None else self._elastic.step_blocks
+
+    def check_resident(self, top: int) -> None:
+        """IndexError naming block `top` (a valid index) when elastic pools do not back it."""
+        if self._elastic is not None and top >= self._elastic.resident:
+            raise self._elastic.not_resident(top)
+
+    def grow(self, min_blocks: int) -> int:
+        """Map granules of every pool, in one step, until at least `min_blocks` blocks (rounded
+        up to a whole step, capped at `num_blocks`) are resident; returns the resident count.
+        All or nothing: DeviceOutOfMemory (or the backend's error) with nothing new mapped.
+        NOTE: it maps on the backend the pools were made on, because allocation (which
+        takes no backend) calls it when the mapped free blocks run out."""
+        if not self._live or self._elastic is None:
+            raise KvCacheError("grow needs live elastic pools")
+        return self._elastic.grow(self._gpu, min_blocks)
+
+    def trim(self, keep_blocks: int) -> int:
+        """Unmap every granule of every pool above what `keep_blocks` blocks (rounded up to a
+        whole step) need; returns the resident count. Every pool is attempted; the first
+        backend error is raised after, with what stayed mapped still recorded."""
+        if not self._live or self._elastic is None:
+            raise KvCacheError("trim needs live elastic pools")
+        return self._elastic.trim(self._gpu, keep_blocks)
+
     def num_blocks(self) -> int:
         """Blocks per pool."""
         return self._num_blocks
@@ -132,10 +194,14 @@ class KvPools:
         return self._config._check_layer(layer)  # type: ignore[arg-type]
 
     def block(self, block: object) -> int:
-        """`block` as a valid block index; KvCacheError once released."""
+        """`block` as a valid block index (for elastic pools, a resident one: IndexError
+        naming it otherwise); KvCacheError once released."""
         if not self._live:
             raise KvCacheError(f"block {block}: the cache has been released")
-        return block_index(block, self._num_blocks)
+        block = block_index(block, self._num_blocks)
+        if self._elastic is not None and block >= self._elastic.resident:
+            raise self._elastic.not_resident(block)
+        return block
 
     def k_block_ptr(self, layer: int, block: int) -> DevicePtr:
         """Device address of `block` in `layer`'s K pool."""
@@ -185,3 +251,114 @@ class KvPools:
         if self._config.v_aliases_k:
             return layer
         return 2 * layer + (side == "V")
+
+
+class ElasticMapping:
+    """Which granules of each reserved pool are mapped. Granules are mapped from the start of
+    a pool upwards and unmapped from the top down, one backend `map_chunk` per granule, so a
+    pool's mapped part is always `[0, mapped_granules * granularity)`.
+
+    Growth goes in steps of `step_blocks` blocks (a granule of the widest pool, at least one
+    block); `resident` is the number of blocks every pool backs. Worked example: granularity
+    4096, pools with strides 512 and 1024, 20 blocks: the reservations are 12288 and 20480
+    bytes (3 and 5 granules), a step is 4 blocks; growing to 1 block maps granule 0 of each
+    pool (resident = min(4096 // 512, 4096 // 1024) = 4); growing to 9 blocks maps 3 granules
+    of the 512-byte pool (capped at its 3) and 3 of the other: resident 12.
+    """
+
+    def __init__(self, num_blocks: int, widest_stride: int, gpu: GpuBackend):
+        require(gpu, "vmm", "elastic pools")
+        self.granularity = positive_int(gpu.vmm_granularity(), "vmm_granularity")
+        self.num_blocks = num_blocks
+        self.step_blocks = max(1, self.granularity // widest_stride)
+        self.resident = 0
+        self._pools: list[list[int]] = []  # [base, stride, reserved granules, mapped granules]
+
+    def reserved_bytes(self, stride: int) -> int:
+        """Bytes to reserve for a pool of `num_blocks` blocks of `stride` (whole granules)."""
+        return -(-self.num_blocks * stride // self.granularity) * self.granularity
+
+    def add_pool(self, base: DevicePtr, stride: int) -> None:
+        """Track a pool reserved at `base` with nothing mapped."""
+        self._pools.append([int(base), stride, self.reserved_bytes(stride) // self.granularity, 0])
+        self.resident = 0
+
+    def forget_pool(self, base: DevicePtr) -> None:
+        """Stop tracking the pool at `base` (its reservation was released)."""
+        self._pools = [p for p in self._pools if p[0] != int(base)]
+        self.resident = 0
+
+    def mapped_bytes(self) -> int:
+        """Bytes mapped over every pool."""
+        return sum(p[3] for p in self._pools) * self.granularity
+
+    def _target(self, blocks: int) -> int:
+        blocks = max(0, blocks)
+        return min(self.num_blocks, -(-blocks // self.step_blocks) * self.step_blocks)
+
+    def _need(self, pool: list[int], blocks: int) -> int:
+        return min(pool[2], -(-blocks * pool[1] // self.granularity))
+
+    def _update_resident(self) -> int:
+        if not self._pools:
+            self.resident = 0
+        else:
+            self.resident = min(self.num_blocks, min(p[3] * self.granularity // p[1] for p in self._pools))
+        return self.resident
+
+    def grow(self, gpu: GpuBackend, min_blocks: int) -> int:
+        """See `KvPools.grow`."""
+        target = self._target(min_blocks)
+        if target <= self.resident:
+            return self.resident
+        g = self.granularity
+        done: list[tuple[list[int], int]] = []  # (pool, granule) mapped by this call
+        try:
+            for pool in self._pools:
+                for granule in range(pool[3], self._need(pool, target)):
+                    gpu.map_chunk(DevicePtr(pool[0] + granule * g), g)
+                    pool[3] = granule + 1
+                    done.append((pool, granule))
+        except BaseException:
+            self._undo(gpu, done)
+            raise
+        return self._update_resident()
+
+    def _undo(self, gpu: GpuBackend, done: list[tuple[list[int], int]]) -> None:
+        """Unmap what a failed `grow` mapped, last first; a granule whose unmap fails stays
+        mapped and recorded (with every granule below it)."""
+        for pool, granule in reversed(done):
+            try:
+                gpu.unmap_chunk(DevicePtr(pool[0] + granule * self.granularity), self.granularity)
+            except Exception as err:  # noqa: BLE001 - the growth error is the one to raise
+                _log.error("kv_elastic_unmap_failed", pool=hex(pool[0]), granule=granule, error=str(err))
+                break
+            pool[3] = granule
+        self._update_resident()
+
+    def trim(self, gpu: GpuBackend, keep_blocks: int) -> int:
+        """See `KvPools.trim`."""
+        target = self._target(keep_blocks)
+        g = self.granularity
+        first: BaseException | None = None
+        for pool in self._pools:
+            keep = self._need(pool, target)
+            while pool[3] > keep:
+                try:
+                    gpu.unmap_chunk(DevicePtr(pool[0] + (pool[3] - 1) * g), g)
+                except Exception as err:  # noqa: BLE001 - every pool must be attempted
+                    first = first or err
+                    _log.error("kv_elastic_unmap_failed", pool=hex(pool[0]), granule=pool[3] - 1, error=str(err))
+                    break
+                pool[3] -= 1
+        self._update_resident()
+        if first is not None:
+            raise first
+        return self.resident
+
+    def not_resident(self, block: int) -> IndexError:
+        """The error for an access to block `block`, which no memory backs."""
+        return IndexError(
+            f"block {block} is not resident: the elastic pools back blocks [0, {self.resident}) "
+            f"of {self.num_blocks} (allocate it first)"
+        )

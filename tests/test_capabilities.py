@@ -32,7 +32,7 @@ class SaysCuda(HostBackend):
 
 def test_host_backend_states_its_capabilities():
     host = HostBackend(1 << 20)
-    assert {n for n in CAPABILITIES if host.supports(n)} == {"batched_copy", "host_view", "device:cpu"}
+    assert {n for n in CAPABILITIES if host.supports(n)} == {"batched_copy", "host_view", "vmm", "device:cpu"}
     assert device_kind(host) == "cpu"
     with pytest.raises(ValueError, match="unknown backend capability 'pinnned'; known: pinned, batched_copy"):
         host.supports("pinnned")
@@ -42,7 +42,7 @@ def test_cuda_backend_states_its_capabilities_without_a_device():
     from pagedkv.driver import CudaBackend
 
     assert CudaBackend.SUPPORTED == {"pinned", "batched_copy", "stream_wait", "device:cuda"}
-    assert CudaBackend.supports(object.__new__(CudaBackend), "vmm") is False
+    assert CudaBackend.supports(object.__new__(CudaBackend), "host_view") is False
 
 
 def test_no_supports_means_only_the_required_protocol():

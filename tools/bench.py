@@ -3,7 +3,7 @@
 and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU one.
 
 Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
-bench_quality.py); each exposes `run(args) -> None` and prints its own table.
+bench_quality.py, bench_elastic.py); each exposes `run(args) -> None` and prints its own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
 
@@ -31,6 +31,7 @@ SECTIONS = {
     "host": ("bench_host", False),
     "quality": ("bench_quality", False),
     "serving": ("bench_serving", False),
+    "elastic": ("bench_elastic", False),
     "gpu": ("bench_gpu", True),
 }
 

@@ -144,6 +144,7 @@ class CudaBackend(MemoryAndCopies, BlockKernels):
             )
         for ptr in list(self._allocs):
             attempt(self.free, DevicePtr(ptr))
+        self._release_reservations(attempt)
         for buf in list(self._pinned.values()):
             attempt(buf.free)
         for handle in list(self._streams):
@@ -156,9 +157,14 @@ class CudaBackend(MemoryAndCopies, BlockKernels):
     """The capabilities CudaBackend states (see pagedkv.capabilities)."""
 
     def supports(self, name: str) -> bool:
-        """True for "pinned", "batched_copy", "stream_wait" and "device:cuda"; ValueError for
-        an unknown name."""
-        return check_capability_name(name) in self.SUPPORTED
+        """True for "pinned", "batched_copy", "stream_wait" and "device:cuda", and for "vmm"
+        when the device reports virtual memory management; ValueError for an unknown name."""
+        if check_capability_name(name) == "vmm":
+            from . import vmm
+
+            with self._lock:
+                return vmm.vmm_supported(self._enter(), self._device)
+        return name in self.SUPPORTED
 
     def __enter__(self) -> "CudaBackend":
         return self
@@ -170,3 +176,46 @@ class CudaBackend(MemoryAndCopies, BlockKernels):
     def closed(self) -> bool:
         """True after `close()`."""
         return self._closed
+
+    # -- virtual memory for elastic pools (the driver calls live in vmm.py) --------------
+
+    def _virtual_memory(self):
+        """This backend's `vmm.VirtualMemory`, made on first use."""
+        space = getattr(self, "_vmm_space", None)
+        if space is None:
+            from .vmm import VirtualMemory
+
+            space = self._vmm_space = VirtualMemory(self.device_ordinal)
+        return space
+
+    def vmm_granularity(self) -> int:
+        """Bytes of the smallest chunk `map_chunk` maps (the device's minimum granularity)."""
+        with self._lock:
+            return self._virtual_memory().granularity(self._enter())
+
+    def reserve_address(self, nbytes: int) -> DevicePtr:
+        """`cuMemAddressReserve` of `nbytes` (a multiple of `vmm_granularity()`), nothing mapped."""
+        with self._lock:
+            return self._virtual_memory().reserve(self._enter(), nbytes)
+
+    def map_chunk(self, ptr: DevicePtr, nbytes: int) -> None:
+        """`cuMemCreate` + `cuMemMap` + `cuMemSetAccess` (read-write) of `nbytes` at `ptr`
+        inside a reservation; CudaOutOfMemory with nothing created when the device is full."""
+        with self._lock:
+            self._virtual_memory().map(self._enter(), ptr, nbytes)
+
+    def unmap_chunk(self, ptr: DevicePtr, nbytes: int) -> None:
+        """`cuMemUnmap` + `cuMemRelease` of the chunk `map_chunk` mapped at `ptr`."""
+        with self._lock:
+            self._virtual_memory().unmap(self._enter(), ptr, nbytes)
+
+    def release_address(self, ptr: DevicePtr) -> None:
+        """Unmap what is still mapped in the reservation at `ptr`, then `cuMemAddressFree` it."""
+        with self._lock:
+            self._virtual_memory().release(self._enter(), ptr)
+
+    def _release_reservations(self, attempt) -> None:
+        """close(): release every reservation still held, each through `attempt`."""
+        space = getattr(self, "_vmm_space", None)
+        for base in [] if space is None else space.reservations():
+            attempt(self.release_address, DevicePtr(base))

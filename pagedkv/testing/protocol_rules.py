@@ -74,6 +74,7 @@ _CAPABILITY_METHODS = {
     "pinned": ("alloc_pinned", "copy_h2d_async", "copy_d2h_async"),
     "stream_wait": ("make_stream_wait",),
     "host_view": ("view",),
+    "vmm": ("vmm_granularity", "reserve_address", "map_chunk", "unmap_chunk", "release_address"),
 }
 
 

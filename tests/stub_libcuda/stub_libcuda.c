@@ -32,6 +32,18 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
 
+/* ELASTIC (VMM): defined in its section at the end of the file */
+static int vmm_supported;
+static int vmm_range_ok(CUdeviceptr p, size_t n);
+CUresult cuMemGetAllocationGranularity(size_t *, const void *, int);
+CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemAddressFree(CUdeviceptr, size_t);
+CUresult cuMemCreate(unsigned long long *, size_t, const void *, unsigned long long);
+CUresult cuMemRelease(unsigned long long);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemSetAccess(CUdeviceptr, size_t, const void *, size_t);
+
 enum {
     SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
     INVALID_DEVICE = 101, INVALID_IMAGE = 200, INVALID_CONTEXT = 201, INVALID_HANDLE = 400,
@@ -192,6 +204,7 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
         return SUCCESS;
     case 75: *value = cc_major; return SUCCESS;
     case 76: *value = cc_minor; return SUCCESS;
+    case 102: *value = vmm_supported; return SUCCESS; /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     default: return INVALID_VALUE;
     }
 }
@@ -256,6 +269,7 @@ int stub_live_allocations(void) { return nallocs; }
 
 /* 1 when [p, p + n) lies inside one live allocation. */
 static int device_range_ok(CUdeviceptr p, size_t n) {
+    if (vmm_range_ok(p, n)) return 1;
     for (int i = 0; i < nallocs; i++)
         if (p >= allocs[i].base && p + n <= allocs[i].base + allocs[i].size && p + n >= p) return 1;
     return 0;
@@ -1142,6 +1156,7 @@ static const EntryPoint ENTRY_POINTS[] = {
     EP2(cuMemsetD8Async), EP2(cuMemcpyHtoD), EP2(cuMemcpyDtoH), EP2(cuMemcpyDtoD), EP2(cuMemcpyHtoDAsync),
     EP2(cuMemcpyDtoHAsync), EP2(cuMemcpyDtoDAsync), EP(cuModuleLoadData), EP(cuModuleUnload),
     EP(cuModuleGetFunction), EP2(cuLaunchKernel),
+    EP(cuMemGetAllocationGranularity), EP(cuMemAddressReserve), EP(cuMemAddressFree), EP(cuMemCreate), EP(cuMemRelease), EP(cuMemMap), EP(cuMemUnmap), EP(cuMemSetAccess),
 #undef EP
 #undef EP2
 };
@@ -1189,7 +1204,7 @@ CUresult cuGetExportTable(const void **table, const void *id) {
 }
 
 /* ---- DRIVER additions ---------------------------------------------------------------- */
-/* Entry points the DRIVER work needs; lookup() falls back to these (one declaration above). */
+/* Entry points the driver layer needs beyond the core set (lookup() finds any exported cu*). */
 
 static int occupancy_per_sm = 8;
 
@@ -1203,3 +1218,286 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *num_blocks, CUfunction
     *num_blocks = occupancy_per_sm;
     return SUCCESS;
 }
+
+/* ---- ELASTIC (VMM) additions ---------------------------------------------------------------
+ *
+ * Virtual memory management on host memory with real protection: cuMemAddressReserve is an
+ * mmap(PROT_NONE) of the range, cuMemCreate makes a physical handle (counted against the
+ * device's total memory), cuMemMap binds a handle to a granule-aligned part of a
+ * reservation (still PROT_NONE), cuMemSetAccess mprotects a mapped range read-write, and
+ * cuMemUnmap makes it PROT_NONE again and drops its pages. So a kernel (run by the harness)
+ * that touches an unmapped chunk takes a real SIGSEGV, which the harness turns into a failed
+ * launch (CUDA_ERROR_ILLEGAL_ADDRESS, sticky); any other access (host code) meets a handler
+ * that names the address and the reservation on stderr and lets the process die of the
+ * signal. The context reset does not drop VMM state. Driver copies and memsets check their ranges first and return
+ * CUDA_ERROR_INVALID_VALUE for a range that is not mapped with access. A handle can be
+ * mapped at one place at a time (the stub cannot alias pages). stub_set_vmm_granularity sets
+ * the granularity (default 2 MiB, a multiple of the page size); stub_set_vmm_supported(0)
+ * makes the device report no VMM support (attribute 102).
+ */
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MAX_RESERVATIONS 1024
+#define MAX_MEM_HANDLES 65536
+static struct { CUdeviceptr base; size_t size; } reservations[MAX_RESERVATIONS];
+static int nreservations;
+typedef struct {
+    size_t size;
+    CUdeviceptr mapped_at; /* 0: not mapped */
+    int access;            /* cuMemSetAccess granted read-write on the mapping */
+    int released;          /* cuMemRelease called; freed once unmapped too */
+} MemHandle;
+static MemHandle *mem_handles[MAX_MEM_HANDLES];
+static int nmem_handles;
+static size_t vmm_granularity = (size_t)2 << 20;
+static int vmm_supported = 1;
+static struct sigaction previous_segv;
+static int segv_installed;
+
+void stub_set_vmm_granularity(size_t n) { vmm_granularity = n; }
+void stub_set_vmm_supported(int on) { vmm_supported = on; }
+int stub_live_reservations(void) { return nreservations; }
+int stub_live_mem_handles(void) { return nmem_handles; }
+
+static int reservation_of(CUdeviceptr p) {
+    for (int i = 0; i < nreservations; i++)
+        if (p >= reservations[i].base && p < reservations[i].base + reservations[i].size) return i;
+    return -1;
+}
+
+/* 1 when [p, p + n) lies in one reservation and every byte is mapped with access. */
+static int vmm_range_ok(CUdeviceptr p, size_t n) {
+    int r = reservation_of(p);
+    if (r < 0 || p + n < p || p + n > reservations[r].base + reservations[r].size) return 0;
+    CUdeviceptr at = p, end = p + n;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < nmem_handles; i++) {
+            MemHandle *h = mem_handles[i];
+            if (h->mapped_at && h->access && at >= h->mapped_at && at < h->mapped_at + h->size) {
+                at = h->mapped_at + h->size;
+                found = 1;
+                break;
+            }
+        }
+        if (!found) return 0;
+    }
+    return 1;
+}
+
+static void write_hex(char *out, unsigned long long v) {
+    static const char digits[] = "0123456789abcdef";
+    out[0] = '0'; out[1] = 'x';
+    for (int i = 0; i < 16; i++) out[2 + i] = digits[(v >> (60 - 4 * i)) & 15];
+    out[18] = 0;
+}
+
+static void segv_handler(int sig, siginfo_t *info, void *uc) {
+    CUdeviceptr addr = (CUdeviceptr)(uintptr_t)info->si_addr;
+    int r = reservation_of(addr);
+    if (r >= 0) {
+        char a[19], b[19], msg[256];
+        write_hex(a, addr);
+        write_hex(b, reservations[r].base);
+        size_t n = 0;
+        const char *parts[] = {"pagedkv stub: illegal address ", a, " (unmapped VMM chunk) in the reservation at ", b,
+                               ": the device faulted\n"};
+        for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
+            for (const char *c = parts[i]; *c && n < sizeof msg; c++) msg[n++] = *c;
+        ssize_t ignored = write(2, msg, n);
+        (void)ignored;
+        signal(SIGSEGV, SIG_DFL); /* returning re-runs the access, which now kills the process */
+        return;
+    }
+    if (previous_segv.sa_flags & SA_SIGINFO) { previous_segv.sa_sigaction(sig, info, uc); return; }
+    if (previous_segv.sa_handler == SIG_IGN) return;
+    if (previous_segv.sa_handler != SIG_DFL) { previous_segv.sa_handler(sig); return; }
+    signal(SIGSEGV, SIG_DFL);
+}
+
+static void install_segv_handler(void) {
+    if (segv_installed) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = segv_handler;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &previous_segv);
+    segv_installed = 1;
+}
+
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct { int type; int requestedHandleTypes; CUmemLocation location; } CUmemAllocationPropHead;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+static int prop_ok(const void *prop) {
+    const CUmemAllocationPropHead *p = prop;
+    /* CU_MEM_ALLOCATION_TYPE_PINNED on CU_MEM_LOCATION_TYPE_DEVICE of an existing device */
+    return p && p->type == 1 && p->location.type == 1 && p->location.id >= 0 && p->location.id < device_count;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const void *prop, int option) {
+    ENTER("cuMemGetAllocationGranularity");
+    NEED_CTX();
+    if (!granularity || !prop_ok(prop) || option < 0 || option > 1) return INVALID_VALUE;
+    if (!vmm_supported) return NOT_SUPPORTED;
+    *granularity = vmm_granularity;
+    return SUCCESS;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+    ENTER("cuMemAddressReserve");
+    NEED_CTX();
+    if (!vmm_supported) return NOT_SUPPORTED;
+    if (!ptr || size == 0 || size % vmm_granularity || flags || addr) return INVALID_VALUE;
+    if (alignment & (alignment - 1)) return INVALID_VALUE;
+    if (nreservations == MAX_RESERVATIONS) return OUT_OF_MEMORY;
+    size_t align = alignment > vmm_granularity ? alignment : vmm_granularity;
+    void *raw = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) return OUT_OF_MEMORY;
+    uintptr_t start = ((uintptr_t)raw + align - 1) / align * align;
+    if (start > (uintptr_t)raw) munmap(raw, start - (uintptr_t)raw);
+    uintptr_t tail = start + size, raw_end = (uintptr_t)raw + size + align;
+    if (raw_end > tail) munmap((void *)tail, raw_end - tail);
+    install_segv_handler();
+    reservations[nreservations].base = start;
+    reservations[nreservations].size = size;
+    nreservations++;
+    *ptr = start;
+    return SUCCESS;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    ENTER("cuMemAddressFree");
+    NEED_CTX();
+    int r = reservation_of(ptr);
+    if (r < 0 || reservations[r].base != ptr || reservations[r].size != size) return INVALID_VALUE;
+    for (int i = 0; i < nmem_handles; i++)
+        if (mem_handles[i]->mapped_at >= ptr && mem_handles[i]->mapped_at < ptr + size) return INVALID_VALUE;
+    munmap((void *)(uintptr_t)ptr, size);
+    reservations[r] = reservations[--nreservations];
+    return SUCCESS;
+}
+
+static int handle_index(CUmemGenericAllocationHandle h) {
+    for (int i = 0; i < nmem_handles; i++) if ((CUmemGenericAllocationHandle)(uintptr_t)mem_handles[i] == h) return i;
+    return -1;
+}
+
+static void drop_handle(int i) {
+    used_mem -= mem_handles[i]->size;
+    free(mem_handles[i]);
+    mem_handles[i] = mem_handles[--nmem_handles];
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const void *prop, unsigned long long flags) {
+    ENTER("cuMemCreate");
+    NEED_CTX();
+    if (!vmm_supported) return NOT_SUPPORTED;
+    if (!handle || size == 0 || size % vmm_granularity || flags || !prop_ok(prop)) return INVALID_VALUE;
+    if (size > total_mem - used_mem || nmem_handles == MAX_MEM_HANDLES) return OUT_OF_MEMORY;
+    MemHandle *h = calloc(1, sizeof(MemHandle));
+    h->size = size;
+    mem_handles[nmem_handles++] = h;
+    used_mem += size;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return SUCCESS;
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    ENTER("cuMemRelease");
+    NEED_CTX();
+    int i = handle_index(handle);
+    if (i < 0 || mem_handles[i]->released) return INVALID_HANDLE;
+    mem_handles[i]->released = 1;
+    if (!mem_handles[i]->mapped_at) drop_handle(i); /* a mapped one goes with its unmap */
+    return SUCCESS;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+    ENTER("cuMemMap");
+    NEED_CTX();
+    int i = handle_index(handle), r = reservation_of(ptr);
+    if (i < 0 || mem_handles[i]->released) return INVALID_HANDLE;
+    MemHandle *h = mem_handles[i];
+    if (r < 0 || flags || offset || size != h->size || ptr % vmm_granularity) return INVALID_VALUE;
+    if (ptr + size > reservations[r].base + reservations[r].size) return INVALID_VALUE;
+    if (h->mapped_at) return NOT_SUPPORTED; /* the stub cannot map a handle twice */
+    for (int k = 0; k < nmem_handles; k++) {
+        MemHandle *o = mem_handles[k];
+        if (o->mapped_at && o->mapped_at < ptr + size && ptr < o->mapped_at + o->size) return INVALID_VALUE;
+    }
+    h->mapped_at = ptr;
+    h->access = 0; /* no access until cuMemSetAccess */
+    return SUCCESS;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *descs, size_t count) {
+    ENTER("cuMemSetAccess");
+    const CUmemAccessDesc *desc = descs;
+    NEED_CTX();
+    if (!desc || count != 1 || desc[0].location.type != 1 || desc[0].location.id < 0 ||
+        desc[0].location.id >= device_count)
+        return INVALID_VALUE;
+    int prot = desc[0].flags == 3 ? PROT_READ | PROT_WRITE : desc[0].flags == 1 ? PROT_READ : desc[0].flags == 0 ? PROT_NONE : -1;
+    if (prot < 0) return INVALID_VALUE;
+    /* the range must be covered by mappings end to end */
+    CUdeviceptr at = ptr, end = ptr + size;
+    if (size == 0 || end < ptr) return INVALID_VALUE;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < nmem_handles; i++) {
+            MemHandle *h = mem_handles[i];
+            if (h->mapped_at && at >= h->mapped_at && at < h->mapped_at + h->size) {
+                at = h->mapped_at + h->size;
+                found = 1;
+                break;
+            }
+        }
+        if (!found) return INVALID_VALUE;
+    }
+    if (mprotect((void *)(uintptr_t)ptr, size, prot)) return INVALID_VALUE;
+    for (int i = 0; i < nmem_handles; i++) {
+        MemHandle *h = mem_handles[i];
+        if (h->mapped_at >= ptr && h->mapped_at < end) {
+            if (prot != PROT_NONE && !h->access) memset((void *)(uintptr_t)h->mapped_at, 0xA5, h->size); /* fresh memory is not zeroed */
+            h->access = prot != PROT_NONE;
+        }
+    }
+    return SUCCESS;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    ENTER("cuMemUnmap");
+    NEED_CTX();
+    int st = drain_all(); /* like the driver, unmapping waits for the device */
+    if (st) return st;
+    CUdeviceptr end = ptr + size;
+    if (size == 0 || end < ptr || reservation_of(ptr) < 0) return INVALID_VALUE;
+    /* the range must be exactly whole mappings */
+    CUdeviceptr at = ptr;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < nmem_handles; i++)
+            if (mem_handles[i]->mapped_at == at) { at += mem_handles[i]->size; found = 1; break; }
+        if (!found) return INVALID_VALUE;
+    }
+    if (at != end) return INVALID_VALUE;
+    mprotect((void *)(uintptr_t)ptr, size, PROT_NONE);
+    madvise((void *)(uintptr_t)ptr, size, MADV_DONTNEED);
+    for (int i = nmem_handles - 1; i >= 0; i--) {
+        MemHandle *h = mem_handles[i];
+        if (h->mapped_at >= ptr && h->mapped_at < end) {
+            h->mapped_at = 0;
+            h->access = 0;
+            if (h->released) drop_handle(i);
+        }
+    }
+    return SUCCESS;
+}
+/* ---- end of ELASTIC (VMM) additions ---- */
