@@ -157,6 +157,17 @@ def test_recent_match_protects_a_block(gpu):
     assert prefix.evict(1) == a
 
 
+def test_the_last_release_of_a_shared_block_counts_as_its_latest_use(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    a = held_by_caller(cache, [1] * 8, prefix)  # inserted first
+    b = held_by_caller(cache, [2] * 8, prefix)
+    cache.free_blocks(b)  # both blocks of each chain fall to one in one free_blocks call
+    cache.free_blocks(a)  # a released after b: b is now the least recently used
+    assert prefix.evict(2) == [b[1], b[0]]
+    assert prefix.evict(2) == [a[1], a[0]]
+
+
 def test_parent_is_never_evicted_before_its_child(gpu):
     cache = make_cache(gpu)
     prefix = PrefixCache(cache)
