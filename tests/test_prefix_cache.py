@@ -468,6 +468,26 @@ def test_events_wait_for_the_end_of_a_sequence_table_call(gpu):
     table.check_invariants()
 
 
+def test_a_decode_append_that_evicts_reports_once_the_token_is_in(gpu):
+    cache = make_cache(gpu)
+    observed = []
+
+    def consumer(event):
+        if "b" in table:
+            observed.append((type(event).__name__, table.num_tokens("b"), len(table.blocks("b"))))
+
+    prefix = PrefixCache(cache, on_event=consumer)
+    table = SequenceTable(cache, prefix)
+    table.add("a", list(range(7 * BS)))
+    table.free("a")  # 7 blocks cached, 1 free
+    table.add("b", [900] * BS)  # takes the free block
+    observed.clear()
+    table.append("b", 1, [901])  # crosses into a new block: evicts one cached block
+    assert observed == [("BlockRemoved", BS + 1, 2)]
+    assert prefix.stats().evictions == 1
+    table.check_invariants()
+
+
 # -- a match or reservation is released once --------------------------------------------------
 
 

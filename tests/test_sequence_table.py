@@ -428,6 +428,7 @@ def test_a_second_thread_inside_is_refused_and_changes_nothing():
     calls = [
         lambda: table.add("c", [1, 2]),
         lambda: table.append("b"),
+        lambda: table.append("b", 1, [7]),  # a decode step's one id: the inline claim is refused too
         lambda: table.free("b"),
         lambda: table.block_table(["b"]),
         lambda: prefix.match(list(range(9))),
@@ -456,6 +457,27 @@ def test_a_second_thread_inside_is_refused_and_changes_nothing():
     assert table.seq_ids() == ["b"] and before[2] == []
     table.check_invariants()
     assert prefix.stats().queries == before[1].queries + 1  # only "b"'s own lookup
+
+
+def test_a_refused_decode_append_at_a_block_boundary_changes_nothing():
+    cache = make_cache(HostBackend(capacity_bytes=1 << 30), num_blocks=3)
+    table = SequenceTable(cache)
+    table.add("a", [5] * BS)  # exactly one full block
+    others = cache.alloc_blocks(2)
+    before = counts(cache)
+    with pytest.raises(KvCacheExhausted):
+        table.append("a", 1, [6])
+    assert (counts(cache), table.num_tokens("a"), table.blocks("a")) == (before, BS, [0])
+    cache.free_block(others[0])
+    done = []
+    helper = threading.Thread(target=lambda: done.append(table.append("a", 1, [6])))  # the guard was let go
+    helper.start()
+    helper.join(30)
+    assert done == [None]
+    assert (table.num_tokens("a"), table.blocks("a")) == (BS + 1, [0, others[0]])
+    table.free("a")
+    cache.free_block(others[1])
+    table.check_invariants()
 
 
 def test_four_threads_on_one_table_either_run_or_are_refused():
