@@ -262,27 +262,27 @@ class SequenceTable:
         except IndexError:
             self._append(seq_id, n_tokens, token_ids)  # re-entered, or refused: the full path says which
             return
-        grown = False
+        grown = None  # stays None unless this is a decode step's one valid id
         try:
             seq = self._seqs.get(seq_id)
             if (
-                seq is None
-                or type(token_ids) is not list
-                or len(token_ids) != 1
-                or not (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
-                or type(token_ids[0]) is not int
-                or not 0 <= token_ids[0] <= _MAX_TOKEN_ID
+                seq is not None
+                and type(token_ids) is list
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
             ):
-                grown = None  # not a decode step's one valid id: the full path below
-            else:
-                old = seq.num_tokens
-                if old >= seq.room:  # a block boundary (or a shared last block): allocate or copy
-                    self._grow_claimed(seq, old)
-                    grown = True
-                seq.num_tokens = old + 1
-                seq.step_start = old
-                if seq.tokens_known:
-                    seq.tokens.append(token_ids[0])
+                try:
+                    (token_id,) = token_ids
+                except ValueError:
+                    token_id = None
+                if type(token_id) is int and 0 <= token_id <= _MAX_TOKEN_ID:
+                    old = seq.num_tokens
+                    grown = old >= seq.room  # a block boundary (or a shared last block): allocate or copy
+                    if grown:
+                        self._grow_claimed(seq, old)
+                    seq.num_tokens = old + 1
+                    seq.step_start = old
+                    if seq.tokens_known:
+                        seq.tokens.append(token_id)
         finally:
             token.append(True)
         if grown is None:
@@ -361,11 +361,12 @@ class SequenceTable:
         have = seq.dropped + len(seq.blocks)
         if total == have * bs + 1 and not seq.maybe_shared and self._window is None:
             block = cache.alloc_block()  # a decode step crossing into a fresh block
-            try:
-                self._init([block])
-            except BaseException:
-                cache.free_block(block)
-                raise
+            if self._gpu is not None:
+                try:
+                    self._init([block])
+                except BaseException:
+                    cache.free_block(block)
+                    raise
             seq.blocks.append(block)
             seq.num_tokens, seq.step_start = total, old
             seq.room = (have + 1) * bs

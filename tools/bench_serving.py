@@ -102,20 +102,22 @@ def _table_steps(system, schedule, total: int, out: dict):
     add, append, free = table.add, table.append, table.free
     life = [0] * NUM_SEQS
     pos = [0] * NUM_SEQS
+    ids = [(s, 0) for s in range(NUM_SEQS)]  # each slot's current request id, kept as an engine keeps it
     for s in range(NUM_SEQS):
-        add((s, 0), schedule[s][0][0])
+        add(ids[s], schedule[s][0][0])
     for _ in range(total):
         yield
         for s in range(NUM_SEQS):
             decode = schedule[s][life[s]][1]
             p = pos[s]
             if p == len(decode):
-                free((s, life[s]))
+                free(ids[s])
                 life[s] += 1
+                ids[s] = (s, life[s])
                 pos[s] = p = 0
                 prompt, decode = schedule[s][life[s]]
-                add((s, life[s]), prompt)
-            append((s, life[s]), 1, [decode[p]])
+                add(ids[s], prompt)
+            append(ids[s], 1, [decode[p]])
             pos[s] = p + 1
     yield
     table.check_invariants()
@@ -178,7 +180,7 @@ def _direct_steps(system, schedule, total: int, out: dict):
 
 
 def _lockstep(system, schedule, steps: int, warmup: int) -> tuple[list[float], list[float], int]:
-    """Run both ways step by step, alternating, so a busy machine slows both alike;
+    """Run both ways step by step, alternating, so a busy machine slows both alike (CPU time);
     returns each way's seconds per timed step (after `warmup` steps) and the evictions."""
     out_table: dict = {}
     out_direct: dict = {}
@@ -186,7 +188,7 @@ def _lockstep(system, schedule, steps: int, warmup: int) -> tuple[list[float], l
     for way in ways:
         next(way)  # set up: every sequence added
     spent: list[list[float]] = [[], []]
-    clock = time.perf_counter
+    clock = time.process_time  # CPU time: other processes on a shared machine do not count
     for step in range(warmup + steps):
         for i, way in enumerate(ways):
             start = clock()
