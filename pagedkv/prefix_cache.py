@@ -408,8 +408,8 @@ class PrefixCache:
             raise RefCountError(f"insert of a free block: the caller must hold every block it inserts ({err})") from None
         if root is None:
             root = node = self._roots[adapter_id] = _Node(b"", -1, root_hash(adapter_id), None, adapter_id)
-        for path_node in path:
-            self._touch(path_node)
+        if path:
+            self._touch_chain(path)
         if not new_blocks:
             return 0
         parent = node
@@ -445,11 +445,17 @@ class PrefixCache:
             )
         return len(new_blocks)
 
-    def _touch(self, node: _Node) -> None:
-        self._clock += 1
-        node.last_used = self._clock
-        if not node.children and self._cache.ref_count(node.block) == 1:
-            self._push(node)
+    def _touch_chain(self, path: list[_Node]) -> None:
+        """Record a use of each node of `path` (a chain from the root, in order); only its
+        last node can be a leaf, which becomes evictable if the cache alone holds it."""
+        clock = self._clock
+        for node in path:
+            clock += 1
+            node.last_used = clock
+        self._clock = clock
+        last = path[-1]
+        if not last.children and self._allocator.ref_count(last.block) == 1:
+            self._push(last)
 
     # -- eviction ----------------------------------------------------------------------
 

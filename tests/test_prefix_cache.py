@@ -168,6 +168,19 @@ def test_the_last_release_of_a_shared_block_counts_as_its_latest_use(gpu):
     assert prefix.evict(2) == [a[1], a[0]]
 
 
+def test_a_chain_found_again_by_insert_stays_evictable(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    a = held_by_caller(cache, [1] * 8, prefix)
+    cache.free_blocks(a)  # a's chain is held by the cache alone
+    b = cache.alloc_blocks(2)
+    assert prefix.insert([1] * 8, b) == 0  # the same tokens: a's chain is used again, b is not cached
+    cache.free_blocks(b)
+    assert prefix.evict(8) == [a[1], a[0]]
+    assert counts(cache) == [0] * 8
+    prefix.check_invariants()
+
+
 def test_parent_is_never_evicted_before_its_child(gpu):
     cache = make_cache(gpu)
     prefix = PrefixCache(cache)
