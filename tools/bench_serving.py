@@ -219,7 +219,10 @@ def _mix(repeats: int, steps: int, warmup: int) -> None:
         f"  ({evictions} prefix-cache evictions each way; the two ways run step by step, alternating;\n"
         f"  each step's best of {repeats} repeats, summed)"
     )
-    ceiling("serving mix, SequenceTable / direct PagedKvCache+PrefixCache", ratio, 1.1)
+    if steps == STEPS:
+        ceiling("serving mix, SequenceTable / direct PagedKvCache+PrefixCache", ratio, 1.1)
+    else:  # the first steps are nearly all one-token appends, with no sequence ended or evicted yet
+        print(f"  ratio {ratio:.2f}x over the first {steps} steps only: the 1.1x ceiling is checked on the full {STEPS}-step mix")
 
 
 def _prompt_cache(lib=pagedkv):
