@@ -551,3 +551,24 @@ def test_serving_bench_section_runs_both_ways(capsys):
     assert "serving mix, 256 seqs x 32 steps: SequenceTable" in out
     assert "prefix-cache evictions each way" in out
     assert "match + free_blocks, cached 4096-token prompt:" in out and "first-time insert" in out
+
+
+def test_serving_bench_measures_a_reference_checkout_in_the_same_process(capsys, monkeypatch):
+    """PAGEDKV_BENCH_REFERENCE names a checkout whose pagedkv is imported under another name
+    and measured beside ours (here this checkout itself); no timing is asserted."""
+    import argparse
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    monkeypatch.syspath_prepend(os.path.join(root, "tools"))
+    import bench_serving
+
+    monkeypatch.setenv("PAGEDKV_BENCH_REFERENCE", root)
+    monkeypatch.setitem(sys.modules, "pagedkv_reference", None)  # removed again after the test
+    reference = bench_serving._reference_package()
+    assert reference.__name__ == "pagedkv_reference" and reference.PrefixCache is not PrefixCache
+    bench_serving._prefix_floor("match + free_blocks:", bench_serving._match_free_call, 2, 1.0, reference)
+    assert "us/call (measured now, alternating call for call)" in capsys.readouterr().out
+    monkeypatch.setenv("PAGEDKV_BENCH_REFERENCE", os.path.join(root, "no-such-checkout"))
+    with pytest.raises(SystemExit, match="holds no pagedkv package"):
+        bench_serving._reference_package()
