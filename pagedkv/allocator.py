@@ -216,6 +216,17 @@ class BlockAllocator:
         for block in blocks:
             refs[block] += 1
 
+    def inc_refs_of_valid(self, blocks: list[int]) -> None:
+        """`inc_refs` of a list the caller vouches holds only in-range Python int indices
+        (blocks it read from its own records): every count is still checked non-zero
+        before any changes."""
+        refs = self._refs
+        if self._tracer is not None or 0 in map(refs.__getitem__, blocks):
+            self.inc_refs(blocks)  # records each step, or raises naming the free block
+            return
+        for block in blocks:
+            refs[block] += 1
+
     def dec_ref(self, block: int) -> bool:
         """Drop a reference; True when the count reached 0 and the block went back on the
         free list. A block the reclaimer holds is never taken from 1 to 0 here
@@ -339,9 +350,8 @@ class BlockAllocator:
             if ones:
                 self._free.extend(reversed(blocks[n - ones :]))
             self._free.extend(freed)
-            if reclaimer is not None:
-                for block in sole:
-                    reclaimer.on_sole_reference(block)
+            if sole and reclaimer is not None:
+                self._report_sole(reclaimer, sole)
             return
         for block in blocks[n - done :]:
             refs[block] += 1  # undo the partial fast paths; the general path below redoes it
@@ -357,6 +367,17 @@ class BlockAllocator:
                     raise self._cached_error(block)
         for block in reversed(blocks):
             self.dec_ref(block)
+
+    @staticmethod
+    def _report_sole(reclaimer: BlockReclaimer, blocks: list[int]) -> None:
+        """`on_sole_reference` of each of `blocks` in order, in one call when the reclaimer
+        offers `on_sole_references`."""
+        many = getattr(reclaimer, "on_sole_references", None)
+        if many is not None:
+            many(blocks)
+            return
+        for block in blocks:
+            reclaimer.on_sole_reference(block)
 
     def return_evicted_block(self, block: int) -> None:
         """The reclaimer handing back its own reference to a block it still holds: one

@@ -36,13 +36,18 @@ class ThreadGuard:
 
     def enter(self) -> None:
         """Claim the guard for this thread, or raise ConcurrentUseError naming the owner."""
-        try:
-            self.token.pop()
-        except IndexError:
-            if self.owner != threading.get_ident():
-                raise self.busy() from None
-        else:
-            self.owner = threading.get_ident()
+        token = self.token
+        if token:  # looks free: claim it (another thread may still win the pop)
+            try:
+                token.pop()
+            except IndexError:
+                pass
+            else:
+                self.owner = threading.get_ident()
+                self.depth += 1
+                return
+        if self.owner != threading.get_ident():  # only the thread inside ever sets its own id here
+            raise self.busy()
         self.depth += 1
 
     def exit(self) -> None:

@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence, Union
 
+import numpy as np
+
 from .cache import PagedKvCache
 from .errors import KvCacheError, RefCountError
 from .guard import ThreadGuard
@@ -165,6 +167,8 @@ class PrefixCache:
             raise TypeError(f"on_event must be callable, got {on_event!r}")
         self._cache = cache
         self._block_size = cache.block_size()
+        self._key_type = np.dtype(f"V{8 * self._block_size}")  # a block's key: its int64 token bytes
+        self._allocator = cache.allocator()
         self._on_event = on_event
         self._events: collections.deque = collections.deque()
         self._delivering = False
@@ -226,7 +230,7 @@ class PrefixCache:
             adapter_id = adapter_id_checked(adapter_id)
             path = self._walk_bytes(data, adapter_id)
             blocks = [n.block for n in path]
-            self._cache.inc_refs(blocks)
+            self._allocator.inc_refs_of_valid(blocks)
             clock = self._clock
             for node in path:
                 clock += 1
@@ -254,7 +258,7 @@ class PrefixCache:
         """`reserve` of `tokens[:n]`, already validated (the guard held by the caller)."""
         path = self._walk(tokens, n, adapter_id)
         blocks = [node.block for node in path]
-        self._cache.inc_refs(blocks)
+        self._allocator.inc_refs_of_valid(blocks)
         found = _Reservation(blocks, len(blocks) * self._block_size)
         found.open, found.path = True, path
         return found
@@ -263,7 +267,7 @@ class PrefixCache:
         """`reserve` of tokens given as valid int64 bytes (the guard held by the caller)."""
         path = self._walk_bytes(data, adapter_id)
         blocks = [node.block for node in path]
-        self._cache.inc_refs(blocks)
+        self._allocator.inc_refs_of_valid(blocks)
         found = _Reservation(blocks, len(blocks) * self._block_size)
         found.open, found.path = True, path
         return found
@@ -275,12 +279,12 @@ class PrefixCache:
 
     def _walk_bytes(self, data: bytes, adapter_id: int) -> list[_Node]:
         """The cached nodes along the whole blocks of `data` (int64 token bytes)."""
-        step = 8 * self._block_size
         node = self._roots.get(adapter_id)
         path: list[_Node] = []
         if node is not None:
-            for start in range(0, len(data) - step + 1, step):
-                node = node.children.get(data[start : start + step])  # each chunk's key is a slice
+            key_type = self._key_type
+            for key in np.frombuffer(data, key_type, len(data) // key_type.itemsize).tolist():  # one bytes per block
+                node = node.children.get(key)
                 if node is None:
                     break
                 path.append(node)
@@ -404,8 +408,8 @@ class PrefixCache:
             raise RefCountError(f"insert of a free block: the caller must hold every block it inserts ({err})") from None
         if root is None:
             root = node = self._roots[adapter_id] = _Node(b"", -1, root_hash(adapter_id), None, adapter_id)
-        for path_node in path:
-            self._touch(path_node)
+        if path:
+            self._touch_chain(path)
         if not new_blocks:
             return 0
         parent = node
@@ -441,11 +445,17 @@ class PrefixCache:
             )
         return len(new_blocks)
 
-    def _touch(self, node: _Node) -> None:
-        self._clock += 1
-        node.last_used = self._clock
-        if not node.children and self._cache.ref_count(node.block) == 1:
-            self._push(node)
+    def _touch_chain(self, path: list[_Node]) -> None:
+        """Record a use of each node of `path` (a chain from the root, in order); only its
+        last node can be a leaf, which becomes evictable if the cache alone holds it."""
+        clock = self._clock
+        for node in path:
+            clock += 1
+            node.last_used = clock
+        self._clock = clock
+        last = path[-1]
+        if not last.children and self._allocator.ref_count(last.block) == 1:
+            self._push(last)
 
     # -- eviction ----------------------------------------------------------------------
 
@@ -458,6 +468,17 @@ class PrefixCache:
                 self._clock += 1
                 node.last_used = self._clock
             self._push(node)
+
+    def on_sole_references(self, blocks: list[int]) -> None:
+        """`on_sole_reference` of each of `blocks` in order, in one call."""
+        get = self._by_block.get
+        for block in blocks:
+            node = get(block)
+            if node is not None and not node.children:
+                if self._refresh_on_release:
+                    self._clock += 1
+                    node.last_used = self._clock
+                self._push(node)
 
     def _push(self, node: _Node) -> None:
         heap = self._heap

@@ -191,6 +191,7 @@ class SequenceTable:
         self._buffers: dict[str, tuple[DevicePtr, int]] = {}
         self._stale: list[DevicePtr] = []  # replaced export buffers whose free failed
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
+        self._guard_token = self._guard.token  # the guard's claim list, for append's inline claim
 
     def _deliver(self) -> None:
         prefix = self._prefix
@@ -255,6 +256,54 @@ class SequenceTable:
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
         cache evicted to make room stay evicted (every count stays consistent)."""
+        token = self._guard_token
+        try:
+            token.pop()  # the guard, claimed inline: a decode step's one id is the per-token hot path
+        except IndexError:
+            self._append(seq_id, n_tokens, token_ids)  # re-entered, or refused: the full path says which
+            return
+        grown = None  # stays None unless this is a decode step's one valid id
+        try:
+            seq = self._seqs.get(seq_id)
+            if (
+                seq is not None
+                and type(token_ids) is list
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
+            ):
+                try:
+                    (token_id,) = token_ids
+                except ValueError:
+                    token_id = None
+                if type(token_id) is int and 0 <= token_id <= _MAX_TOKEN_ID:
+                    old = seq.num_tokens
+                    grown = old >= seq.room  # a block boundary (or a shared last block): allocate or copy
+                    if grown:
+                        self._grow_claimed(seq, old)
+                    seq.num_tokens = old + 1
+                    seq.step_start = old
+                    if seq.tokens_known:
+                        seq.tokens.append(token_id)
+        finally:
+            token.append(True)
+        if grown is None:
+            self._append(seq_id, n_tokens, token_ids)  # nothing changed above: the full path from the start
+        elif grown:
+            self._deliver()
+
+    def _grow_claimed(self, seq: _Seq, old: int) -> None:
+        """`_grow` for one more token, with the guard's token taken by `append`: the guard
+        is fully claimed meanwhile, as the allocation may call back in."""
+        guard = self._guard
+        guard.owner = get_ident()
+        guard.depth += 1
+        try:
+            self._grow(seq, old, old + 1, 1)
+        finally:
+            guard.depth -= 1
+            guard.owner = None
+
+    def _append(self, seq_id: Hashable, n_tokens: object, token_ids: object) -> None:
+        """`append`, every case (the guard not held by the caller)."""
         guard = self._guard
         token = guard.token
         try:
@@ -312,11 +361,12 @@ class SequenceTable:
         have = seq.dropped + len(seq.blocks)
         if total == have * bs + 1 and not seq.maybe_shared and self._window is None:
             block = cache.alloc_block()  # a decode step crossing into a fresh block
-            try:
-                self._init([block])
-            except BaseException:
-                cache.free_block(block)
-                raise
+            if self._gpu is not None:
+                try:
+                    self._init([block])
+                except BaseException:
+                    cache.free_block(block)
+                    raise
             seq.blocks.append(block)
             seq.num_tokens, seq.step_start = total, old
             seq.room = (have + 1) * bs

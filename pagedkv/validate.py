@@ -89,7 +89,7 @@ def int64_bytes_of_ids(values: list) -> bytes | None:
     [0, 2**63) (checked at C speed), else None (the caller then checks entry by entry)."""
     if not values:
         return b""
-    if set(map(type, values)) != {int}:
+    if operator.countOf(map(type, values), int) != len(values):  # no bool, no numpy int
         return None
     try:
         wide = array.array("Q", values)  # refuses a negative id; much faster to build than "q"

@@ -271,6 +271,51 @@ def test_free_blocks_reports_counts_falling_to_one_in_release_order():
     assert counts(alloc) == [1, 1, 1, 0] and alloc.num_free_blocks() == 1
 
 
+class BatchHeldSet(HeldSet):
+    """A HeldSet that takes the counts falling to one in one call per free_blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[int]] = []
+
+    def on_sole_references(self, blocks: list[int]) -> None:
+        self.batches.append(list(blocks))
+
+
+def test_free_blocks_reports_counts_falling_to_one_in_one_call_when_offered():
+    alloc = BlockAllocator(5)
+    held = BatchHeldSet()
+    alloc.attach_reclaimer(held)
+    blocks = alloc.alloc_blocks(4)
+    for block in blocks[:3]:
+        alloc.inc_ref(block)
+        held.held.add(block)
+    alloc.inc_ref(blocks[0])  # count 3: falls to 2, not to one
+    alloc.free_blocks(blocks)
+    assert held.batches == [[2, 1]] and held.sole == []
+    assert counts(alloc) == [2, 1, 1, 0, 0] and alloc.num_free_blocks() == 2
+
+
+def test_inc_refs_of_valid_checks_every_count_before_changing_any():
+    alloc = BlockAllocator(4)
+    alloc.alloc_blocks(2)
+    with pytest.raises(RefCountError, match="inc_ref of free block 3"):
+        alloc.inc_refs_of_valid([0, 1, 3])
+    assert counts(alloc) == [1, 1, 0, 0]
+    alloc.inc_refs_of_valid([0, 1, 0])
+    assert counts(alloc) == [3, 2, 0, 0]
+    alloc.inc_refs_of_valid([])
+    assert counts(alloc) == [3, 2, 0, 0]
+
+
+def test_inc_refs_of_valid_records_each_step_when_traced():
+    alloc = BlockAllocator(2, trace=True)
+    alloc.alloc_block()
+    alloc.inc_refs_of_valid([0, 0])
+    assert counts(alloc) == [3, 0]
+    assert len(alloc.block_history(0)) == 3
+
+
 # -- defect 12: bad tables named -------------------------------------------------------
 
 

@@ -157,6 +157,30 @@ def test_recent_match_protects_a_block(gpu):
     assert prefix.evict(1) == a
 
 
+def test_the_last_release_of_a_shared_block_counts_as_its_latest_use(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    a = held_by_caller(cache, [1] * 8, prefix)  # inserted first
+    b = held_by_caller(cache, [2] * 8, prefix)
+    cache.free_blocks(b)  # both blocks of each chain fall to one in one free_blocks call
+    cache.free_blocks(a)  # a released after b: b is now the least recently used
+    assert prefix.evict(2) == [b[1], b[0]]
+    assert prefix.evict(2) == [a[1], a[0]]
+
+
+def test_a_chain_found_again_by_insert_stays_evictable(gpu):
+    cache = make_cache(gpu)
+    prefix = PrefixCache(cache)
+    a = held_by_caller(cache, [1] * 8, prefix)
+    cache.free_blocks(a)  # a's chain is held by the cache alone
+    b = cache.alloc_blocks(2)
+    assert prefix.insert([1] * 8, b) == 0  # the same tokens: a's chain is used again, b is not cached
+    cache.free_blocks(b)
+    assert prefix.evict(8) == [a[1], a[0]]
+    assert counts(cache) == [0] * 8
+    prefix.check_invariants()
+
+
 def test_parent_is_never_evicted_before_its_child(gpu):
     cache = make_cache(gpu)
     prefix = PrefixCache(cache)
@@ -454,6 +478,26 @@ def test_events_wait_for_the_end_of_a_sequence_table_call(gpu):
     assert observed == [("BlockStored", 0, 0)]
     table.add("b", list(range(500, 500 + 3 * BS)))  # evicts three: reported once "b" exists
     assert observed[1:] == [("BlockRemoved", 1, 0)]
+    table.check_invariants()
+
+
+def test_a_decode_append_that_evicts_reports_once_the_token_is_in(gpu):
+    cache = make_cache(gpu)
+    observed = []
+
+    def consumer(event):
+        if "b" in table:
+            observed.append((type(event).__name__, table.num_tokens("b"), len(table.blocks("b"))))
+
+    prefix = PrefixCache(cache, on_event=consumer)
+    table = SequenceTable(cache, prefix)
+    table.add("a", list(range(7 * BS)))
+    table.free("a")  # 7 blocks cached, 1 free
+    table.add("b", [900] * BS)  # takes the free block
+    observed.clear()
+    table.append("b", 1, [901])  # crosses into a new block: evicts one cached block
+    assert observed == [("BlockRemoved", BS + 1, 2)]
+    assert prefix.stats().evictions == 1
     table.check_invariants()
 
 

@@ -428,6 +428,7 @@ def test_a_second_thread_inside_is_refused_and_changes_nothing():
     calls = [
         lambda: table.add("c", [1, 2]),
         lambda: table.append("b"),
+        lambda: table.append("b", 1, [7]),  # a decode step's one id: the inline claim is refused too
         lambda: table.free("b"),
         lambda: table.block_table(["b"]),
         lambda: prefix.match(list(range(9))),
@@ -456,6 +457,27 @@ def test_a_second_thread_inside_is_refused_and_changes_nothing():
     assert table.seq_ids() == ["b"] and before[2] == []
     table.check_invariants()
     assert prefix.stats().queries == before[1].queries + 1  # only "b"'s own lookup
+
+
+def test_a_refused_decode_append_at_a_block_boundary_changes_nothing():
+    cache = make_cache(HostBackend(capacity_bytes=1 << 30), num_blocks=3)
+    table = SequenceTable(cache)
+    table.add("a", [5] * BS)  # exactly one full block
+    others = cache.alloc_blocks(2)
+    before = counts(cache)
+    with pytest.raises(KvCacheExhausted):
+        table.append("a", 1, [6])
+    assert (counts(cache), table.num_tokens("a"), table.blocks("a")) == (before, BS, [0])
+    cache.free_block(others[0])
+    done = []
+    helper = threading.Thread(target=lambda: done.append(table.append("a", 1, [6])))  # the guard was let go
+    helper.start()
+    helper.join(30)
+    assert done == [None]
+    assert (table.num_tokens("a"), table.blocks("a")) == (BS + 1, [0, others[0]])
+    table.free("a")
+    cache.free_block(others[1])
+    table.check_invariants()
 
 
 def test_four_threads_on_one_table_either_run_or_are_refused():
@@ -529,3 +551,24 @@ def test_serving_bench_section_runs_both_ways(capsys):
     assert "serving mix, 256 seqs x 32 steps: SequenceTable" in out
     assert "prefix-cache evictions each way" in out
     assert "match + free_blocks, cached 4096-token prompt:" in out and "first-time insert" in out
+
+
+def test_serving_bench_measures_a_reference_checkout_in_the_same_process(capsys, monkeypatch):
+    """PAGEDKV_BENCH_REFERENCE names a checkout whose pagedkv is imported under another name
+    and measured beside ours (here this checkout itself); no timing is asserted."""
+    import argparse
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    monkeypatch.syspath_prepend(os.path.join(root, "tools"))
+    import bench_serving
+
+    monkeypatch.setenv("PAGEDKV_BENCH_REFERENCE", root)
+    monkeypatch.setitem(sys.modules, "pagedkv_reference", None)  # removed again after the test
+    reference = bench_serving._reference_package()
+    assert reference.__name__ == "pagedkv_reference" and reference.PrefixCache is not PrefixCache
+    bench_serving._prefix_floor("match + free_blocks:", bench_serving._match_free_call, 2, 1.0, reference)
+    assert "us/call (measured now, alternating call for call)" in capsys.readouterr().out
+    monkeypatch.setenv("PAGEDKV_BENCH_REFERENCE", os.path.join(root, "no-such-checkout"))
+    with pytest.raises(SystemExit, match="holds no pagedkv package"):
+        bench_serving._reference_package()
