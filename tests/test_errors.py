@@ -10,12 +10,21 @@ import pagedkv
 from pagedkv import PagedKvError
 
 
+OPTIONAL_DEPENDENCIES = {"torch"}
+"""Packages of the optional extras: a module needing one is skipped where it is absent."""
+
+
 def library_exceptions() -> dict[str, type]:
     found = {}
     for info in pkgutil.walk_packages(pagedkv.__path__, "pagedkv."):
         if info.name.endswith("__main__"):
             continue
-        module = importlib.import_module(info.name)
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as err:
+            if err.name in OPTIONAL_DEPENDENCIES:  # e.g. pagedkv.backends.torch_arena without torch
+                continue
+            raise
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name:
                 found[f"{info.name}.{name}"] = obj

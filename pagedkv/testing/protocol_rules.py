@@ -139,18 +139,24 @@ def rule_host_view(gpu: Any) -> None:
 
 
 def _readable_host_range(address: int, nbytes: int) -> bool | None:
-    """Whether [address, address + nbytes) lies in one readable mapping of this process
-    (None where /proc/self/maps is absent), so the rule never reads an unmapped address."""
+    """Whether [address, address + nbytes) lies in readable mappings of this process, one
+    or several adjacent ones (None where /proc/self/maps is absent), so the rule never
+    reads an unmapped address."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.readlines()
     except OSError:
         return None
-    for line in lines:
+    covered, stop = address, address + nbytes
+    for line in lines:  # the kernel lists mappings in address order
         span, perms = line.split()[:2]
         start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address and address + nbytes <= end:
-            return perms.startswith("r")
+        if start <= covered < end:
+            if not perms.startswith("r"):
+                return False
+            covered = end
+            if covered >= stop:
+                return True
     return False
 
 
