@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import diagnostics, kv_rows
+from . import diagnostics, kv_device, kv_rows
 from .allocator import BlockAllocator, BlockReclaimer
 from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
 from .config import KvCacheConfig
@@ -58,6 +58,13 @@ class PagedKvCache:
         env = flags()
         self._config = config
         self._pools = KvPools(config, num_blocks, gpu)
+        self._nonfinite = None
+        if kv_device.has_kv_kernels(gpu):
+            try:
+                self._nonfinite = kv_device.NonfiniteCounter(gpu)
+            except BaseException:
+                self._pools.release(gpu)
+                raise
         self._allocator = BlockAllocator(num_blocks, trace=env.kv_trace)
         self._init_value = POISON_BYTE if env.kv_poison else 0
         for name in _BOUND:  # the hot paths run as the allocator's bound methods
@@ -102,6 +109,9 @@ class PagedKvCache:
             if prefix_cache is not None:
                 self._allocator.detach_reclaimer(prefix_cache)
             self._allocator.release()
+        if self._nonfinite is not None:
+            self._nonfinite.free(gpu)
+            self._nonfinite = None
         self._pools.release(gpu)
 
     # -- validation -------------------------------------------------------------------
@@ -278,12 +288,26 @@ class PagedKvCache:
         Every destination block must be held (count > 0) and not in the prefix cache:
         refused naming the block otherwise, before anything is written."""
         kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
-                             check_blocks=self._allocator.check_writable)
+                             check_blocks=self._allocator.check_writable,
+                             nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr))
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-        """(k, v) float32 rows decoded from `layer`'s slots; see `pagedkv.kv_rows.read_tokens`."""
-        return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale)
+                    k_scale: float = 1.0, v_scale: float = 1.0, *, out_k=None, out_v=None,
+                    stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) float32 rows decoded from `layer`'s slots, or the device output form
+        (`out_k`, `out_v`, enqueued on `stream`); see `pagedkv.kv_rows.read_tokens`."""
+        return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale,
+                                   out_k=out_k, out_v=out_v, stream=stream)
+
+    def take_nonfinite_inputs(self, gpu: GpuBackend, stream: int) -> int:
+        """How many NaN/inf input values device writes met since the last call (waits for
+        `stream`), reset to 0 by this call and logged as a `kv_nonfinite_inputs` warning when
+        not 0. Always 0 on a backend without device writes: the host path refuses them."""
+        if self._nonfinite is None:
+            return 0
+        count = self._nonfinite.take(gpu, stream)
+        diagnostics.log_nonfinite_inputs(count)
+        return count
 
     # -- diagnostics ------------------------------------------------------------------
 

@@ -86,3 +86,9 @@ def per_block(
         v_ssq = None if v_row is None else gpu.reduce_bf16_blocks(table, v_row, idx, stream).ssq
         _log.info("kv_block_checksum", tag=tag, layer=layer, logical=logical, phys=int(phys),
                   k_ssq=k_ssq, v_ssq=v_ssq)
+
+
+def log_nonfinite_inputs(count: int) -> None:
+    """Log `count` NaN/inf inputs that device KV writes met (a warning; nothing when 0)."""
+    if count:
+        _log.warning("kv_nonfinite_inputs", count=int(count))

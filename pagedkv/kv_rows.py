@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import kv_device
 from .backend import DevicePtr, GpuBackend
 from .codecs import check_side_geometry, decode, encode
 from .codecs.side import as_float32_values, check_scale, require_finite
@@ -67,7 +68,8 @@ class _Runs:
     stops: np.ndarray
 
 
-def _layer_geometry(pools: KvPools, layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
+def layer_geometry(pools: KvPools, layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
+    """(num_kv_heads, head_dim, K side format, V side format) of `layer` (validated)."""
     pools.layer(layer)  # validates the layer and that the pools are live
     config = pools.config()
     heads, head_dim = config.dims_for_layer(layer)
@@ -135,6 +137,7 @@ def write_tokens(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     check_blocks: Callable[[np.ndarray], None] | None = None,
+    nonfinite: int = 0,
 ) -> None:
     """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
     layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
@@ -143,8 +146,21 @@ def write_tokens(
     the host: on CudaBackend the rows are staged through host memory (synchronous
     `copy_h2d`) until device write kernels exist. `check_blocks`, when given, is called with
     the destination blocks (unique, sorted) before anything is written, and may raise to
-    refuse them."""
-    heads, head_dim, k_fmt, v_fmt = _layer_geometry(pools, layer)
+    refuse them.
+
+    Device inputs (`pagedkv.DeviceArray`, DLPack producers on the backend's device,
+    SequenceTable exports for `slots`) take `pagedkv.kv_device`: on CudaBackend one kernel
+    launch enqueued on `stream` (no sync, allocation or copy; `check_blocks` is not called
+    and slot values are not checked on the host; NaN/inf inputs add to the device counter
+    at `nonfinite`), on HostBackend numpy views of its memory through the host codecs."""
+    if any(kv_device.is_device_input(x) for x in (slots, k, v)):
+        check_scale(k_scale), check_scale(v_scale)
+        if kv_device.has_kv_kernels(gpu):
+            kv_device.write_tokens(pools, layer, layer_geometry(pools, layer), slots, k, v, gpu, stream, k_scale, v_scale, nonfinite)
+            return
+        slots, k, v = (kv_device.host_view(x, what, gpu) if kv_device.is_device_input(x) else x
+                       for x, what in ((slots, "slots"), (k, "k"), (v, "v")))
+    heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size
     k_side = _Side.of(k_fmt, block_size, heads, head_dim)
@@ -193,12 +209,41 @@ def read_tokens(
     unrotate: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    out_k=None,
+    out_v=None,
+    stream: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(k, v) float32 [num_slots, num_kv_heads, head_dim] decoded from `layer`'s slots; a -1
     slot gives a row of zeros. Turbo sides come back in the model's basis unless
     `unrotate=False`; fp8 sides are multiplied by `k_scale`/`v_scale`. Under `v_aliases_k`
-    V is a copy of K."""
-    heads, head_dim, k_fmt, v_fmt = _layer_geometry(pools, layer)
+    V is a copy of K.
+
+    The output form (`out_k` and `out_v` given: DeviceArrays or DLPack producers shaped
+    [num_slots, heads, head_dim], float32 or BF16) returns (out_k, out_v) filled: on
+    CudaBackend one kernel launch enqueued on `stream` (slots must then be on the device
+    too; a slot outside the cache reads as zeros), on HostBackend the host decode written
+    into that memory."""
+    if (out_k is None) != (out_v is None):
+        raise TypeError("give both out_k and out_v, or neither")
+    if out_k is not None:
+        check_scale(k_scale), check_scale(v_scale)
+        if kv_device.has_kv_kernels(gpu):
+            return kv_device.read_tokens(pools, layer, layer_geometry(pools, layer), slots, gpu, stream, unrotate, k_scale, v_scale, out_k, out_v)
+        if kv_device.is_device_input(slots):
+            slots = kv_device.host_view(slots, "slots", gpu)
+        k, v = read_tokens(pools, layer, slots, gpu, unrotate, k_scale, v_scale)
+        for out, values, what in ((out_k, k, "out_k"), (out_v, v, "out_v")):
+            view = kv_device.host_view(out, what, gpu) if kv_device.is_device_input(out) else out
+            if view.shape != values.shape:
+                raise ValueError(f"{what} must be shaped {values.shape}, got {view.shape}")
+            if view.dtype.name not in ("float32", "bfloat16"):
+                raise TypeError(f"{what} must be float32 or bfloat16, got dtype {view.dtype}")
+            view[...] = values.astype(view.dtype)
+        return out_k, out_v
+    if kv_device.is_device_input(slots):
+        slots = kv_device.host_view(slots, "slots", gpu)
+    heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size
     check_scale(k_scale), check_scale(v_scale)

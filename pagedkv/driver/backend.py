@@ -71,6 +71,7 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             self.sm_count = facts.sm_count
             self._closed = False
             self._load_kernels(drv, kernel_cache_dir)
+            self._kv_signs()  # uploaded once here, so KV row calls never allocate or copy
         except BaseException:
             self._closed = False
             try:

@@ -3,8 +3,8 @@
 
 `KvKernels` is a mixin of CudaBackend. Its two methods take device addresses only and
 enqueue one kernel launch on `stream`: no host synchronisation, no allocation and no copy
-per call (the rotation sign tables are uploaded once, on the first call that needs them,
-and freed at close), so a step can be captured in a CUDA graph after a first call.
+per call (the rotation sign tables are uploaded once, when the backend is built, and freed
+at close), so a step can be captured in a CUDA graph after a first call.
 `KvSideArgs` names one side of a call: its format, pool and rows.
 """
 
@@ -116,7 +116,8 @@ class KvKernels:
     `_stream`, `alloc`/`free`/`copy_h2d`, `_launchers` and `_grid`)."""
 
     def _kv_signs(self) -> tuple[int, dict[int, int]]:
-        """Device address of the sign tables (uploaded on first use) and their offsets."""
+        """Device address of the sign tables (uploaded on the first call: CudaBackend makes
+        it at construction) and their offsets."""
         held = getattr(self, "_kv_sign_buffer", None)
         if held is None:
             table, offsets = _sign_table_layout()
