@@ -314,15 +314,16 @@ class PagedKvCache:
     def debug_kv_checksum_per_layer(
         self, blocks: Sequence[int], boundary_idx: int, gpu: GpuBackend, stream: int, tag: str
     ) -> None:
-        """Per BF16 layer, region (prefix/suffix of `blocks` at `boundary_idx`) and side, one
-        structlog event with float64 sum, ssq and sabs computed on the backend."""
+        """Per layer (every format), region (prefix/suffix of `blocks` at `boundary_idx`) and
+        side, one structlog event with the exact float64 sum, ssq and sabs of the stored
+        values decoded without unrotation (see `pagedkv.diagnostics`)."""
         diagnostics.checksum_per_layer(self._pools, blocks, boundary_idx, gpu, stream, tag)
 
     def debug_kv_per_block(
         self, layer: int, blocks: Sequence[int], gpu: GpuBackend, stream: int, tag: str
     ) -> None:
         """One structlog event per entry of `blocks`: logical index, physical block, K and V
-        sums of squares (nothing for a non-BF16 layer)."""
+        exact sums of squares of the decoded stored values, every format."""
         diagnostics.per_block(self._pools, layer, blocks, gpu, stream, tag)
 
     def block_regions(self) -> BlockRegions:
