@@ -72,6 +72,16 @@ def host_view(x: Any, what: str, gpu: Any) -> np.ndarray:
     return arr
 
 
+def host_slots(slots: Any, gpu: Any) -> Any:
+    """Slots for the host path: a DeviceArray (in a host-memory backend) as a numpy view;
+    anything else as given (numpy, sequences, SequenceTable exports through `__array__`)."""
+    if isinstance(slots, DeviceArray):
+        if not callable(getattr(gpu, "view", None)):
+            raise TypeError(f"device slots on {type(gpu).__name__} need device k/v or out_k/out_v (the device path)")
+        return host_view(slots, "slots", gpu)
+    return slots
+
+
 def _rows(x: DeviceArray, what: str, heads: int, head_dim: int, tokens: int | None) -> DeviceArray:
     if x.dtype.name not in ("float32", "bfloat16"):
         raise TypeError(f"{what} must be float32 or bfloat16, got dtype {x.dtype.name}")

@@ -153,13 +153,14 @@ def write_tokens(
     launch enqueued on `stream` (no sync, allocation or copy; `check_blocks` is not called
     and slot values are not checked on the host; NaN/inf inputs add to the device counter
     at `nonfinite`), on HostBackend numpy views of its memory through the host codecs."""
-    if any(kv_device.is_device_input(x) for x in (slots, k, v)):
+    if kv_device.is_device_input(k) or kv_device.is_device_input(v):
         check_scale(k_scale), check_scale(v_scale)
         if kv_device.has_kv_kernels(gpu):
             kv_device.write_tokens(pools, layer, layer_geometry(pools, layer), slots, k, v, gpu, stream, k_scale, v_scale, nonfinite)
             return
-        slots, k, v = (kv_device.host_view(x, what, gpu) if kv_device.is_device_input(x) else x
-                       for x, what in ((slots, "slots"), (k, "k"), (v, "v")))
+        k, v = (kv_device.host_view(x, what, gpu) if kv_device.is_device_input(x) else x
+                for x, what in ((k, "k"), (v, "v")))
+    slots = kv_device.host_slots(slots, gpu)
     heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size
@@ -230,8 +231,6 @@ def read_tokens(
         check_scale(k_scale), check_scale(v_scale)
         if kv_device.has_kv_kernels(gpu):
             return kv_device.read_tokens(pools, layer, layer_geometry(pools, layer), slots, gpu, stream, unrotate, k_scale, v_scale, out_k, out_v)
-        if kv_device.is_device_input(slots):
-            slots = kv_device.host_view(slots, "slots", gpu)
         k, v = read_tokens(pools, layer, slots, gpu, unrotate, k_scale, v_scale)
         for out, values, what in ((out_k, k, "out_k"), (out_v, v, "out_v")):
             view = kv_device.host_view(out, what, gpu) if kv_device.is_device_input(out) else out
@@ -241,8 +240,7 @@ def read_tokens(
                 raise TypeError(f"{what} must be float32 or bfloat16, got dtype {view.dtype}")
             view[...] = values.astype(view.dtype)
         return out_k, out_v
-    if kv_device.is_device_input(slots):
-        slots = kv_device.host_view(slots, "slots", gpu)
+    slots = kv_device.host_slots(slots, gpu)
     heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size

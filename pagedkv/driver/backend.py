@@ -71,7 +71,6 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             self.sm_count = facts.sm_count
             self._closed = False
             self._load_kernels(drv, kernel_cache_dir)
-            self._kv_signs()  # uploaded once here, so KV row calls never allocate or copy
         except BaseException:
             self._closed = False
             try:
@@ -136,7 +135,6 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             attempt(self._enter)
         attempt(lambda: check(driver.cuCtxSynchronize(), "cuCtxSynchronize"))
         attempt(self._staging.close)
-        attempt(self._free_kv_tables)
         leaked = len(self._allocs) + len(self._pinned) + len(self._streams)
         if leaked:
             _log.warning(

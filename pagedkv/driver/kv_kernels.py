@@ -3,8 +3,7 @@
 
 `KvKernels` is a mixin of CudaBackend. Its two methods take device addresses only and
 enqueue one kernel launch on `stream`: no host synchronisation, no allocation and no copy
-per call (the rotation sign tables are uploaded once, when the backend is built, and freed
-at close), so a step can be captured in a CUDA graph after a first call.
+per call (the rotation sign tables are constants of the kernel source), so a step can be captured in a CUDA graph after a first call.
 `KvSideArgs` names one side of a call: its format, pool and rows.
 """
 
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import DevicePtr
-from ..codecs.rotation import ROTATED_HEAD_DIMS, sign_tables
+from ..codecs.rotation import ROTATED_HEAD_DIMS
 from ..dtype import SIDE_FORMATS, KvCacheDtype
 
 KV_THREADS = 128
@@ -44,8 +43,8 @@ _SIDE_FIELDS = [
     ("row_stride", ctypes.c_int64),
     ("bf16", ctypes.c_int32),
     ("scale", ctypes.c_float),
-    ("first", ctypes.c_uint64),
-    ("last", ctypes.c_uint64),
+    ("first", ctypes.c_int32),
+    ("last", ctypes.c_int32),
 ]
 
 
@@ -99,53 +98,21 @@ class KvSideArgs:
     rotated: bool = True
 
 
-def _sign_table_layout() -> tuple[np.ndarray, dict[int, int]]:
-    """All sign tables in one float32 array (signs1 then signs2 per head size) and each
-    head size's element offset."""
-    parts, offsets, at = [], {}, 0
-    for n in ROTATED_HEAD_DIMS:
-        s1, s2 = sign_tables(n)
-        offsets[n] = at
-        parts += [s1, s2]
-        at += 2 * n
-    return np.concatenate(parts).astype(np.float32), offsets
+SIGN_TABLE_WORDS = {128: (0, 4), 256: (8, 16), 512: (24, 40)}
+"""head_dim -> (signs1, signs2) word offsets in kv_rows.cu's WHT_SIGNS bit-mask table."""
 
 
 class KvKernels:
     """The KV row half of CudaBackend (a mixin: CudaBackend provides `_enter`, `_lock`,
-    `_stream`, `alloc`/`free`/`copy_h2d`, `_launchers` and `_grid`)."""
-
-    def _kv_signs(self) -> tuple[int, dict[int, int]]:
-        """Device address of the sign tables (uploaded on the first call: CudaBackend makes
-        it at construction) and their offsets."""
-        held = getattr(self, "_kv_sign_buffer", None)
-        if held is None:
-            table, offsets = _sign_table_layout()
-            ptr = self.alloc(table.nbytes)
-            try:
-                self.copy_h2d(table, ptr)
-            except BaseException:
-                self.free(ptr)
-                raise
-            held = self._kv_sign_buffer = (ptr, offsets)
-        return int(held[0]), held[1]
-
-    def _free_kv_tables(self) -> None:
-        """Free the sign tables (close calls this); nothing when none were uploaded."""
-        held = getattr(self, "_kv_sign_buffer", None)
-        self._kv_sign_buffer = None
-        if held is not None:
-            self.free(held[0])
+    `_stream`, `_launchers` and `_grid`)."""
 
     def _side_fields(self, prefix: str, side: KvSideArgs, head_dim: int, reading: bool) -> dict:
         if side.fmt is None:
-            fields = dict(fmt=SKIP_SIDE, pool=0, block_stride=0, rows=0, row_stride=0, bf16=0, scale=1.0, first=0, last=0)
+            fields = dict(fmt=SKIP_SIDE, pool=0, block_stride=0, rows=0, row_stride=0, bf16=0, scale=1.0, first=-1, last=-1)
         else:
-            first = last = 0
+            first = last = -1
             if side.rotated and SIDE_FORMATS[side.fmt].rotated and head_dim in ROTATED_HEAD_DIMS:
-                base, offsets = self._kv_signs()
-                s1 = base + 4 * offsets[head_dim]
-                s2 = s1 + 4 * head_dim
+                s1, s2 = SIGN_TABLE_WORDS[head_dim]
                 first, last = (s2, s1) if reading else (s1, s2)
             fields = dict(
                 fmt=FORMAT_CODES[side.fmt], pool=int(side.pool), block_stride=int(side.block_stride),

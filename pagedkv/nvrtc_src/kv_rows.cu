@@ -46,6 +46,22 @@ __constant__ float TURBO2_LEVELS[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
 __constant__ float TURBO2_BOUNDS[3] = {-0.9816f, 0.0f, 0.9816f};
 __constant__ float E2M1_MAGNITUDES[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 
+// Walsh-Hadamard sign tables of formats/wht_signs.json as bit masks (bit d of the table
+// set: sign -1 at element d), 32 elements a word: signs1 then signs2 of head_dim 128, 256,
+// 512 at word offsets 0, 4 | 8, 16 | 24, 40 (tests/test_kv_sign_tables.py checks them).
+__constant__ u32 WHT_SIGNS[56] = {
+    0xE46A0359u, 0x42F85949u, 0xA4C63BBBu, 0x49F250A9u, 0x16ACEE90u, 0x3F628FDCu,
+    0xB7A5357Au, 0xBEA56562u, 0xC028BDDDu, 0xFE5483E8u, 0x00B54509u, 0x9A94A018u,
+    0x57DE2FF8u, 0xDBBF19A3u, 0x3AFE2DC7u, 0xEBDA4034u, 0xE85431D9u, 0x7682761Du,
+    0xA7532CC2u, 0x8A4336C9u, 0xE40C84FDu, 0x65C15681u, 0x555AACC1u, 0x4B75DB54u,
+    0xC028BDDDu, 0xFE5483E8u, 0x00B54509u, 0x9A94A018u, 0x57DE2FF8u, 0xDBBF19A3u,
+    0x3AFE2DC7u, 0xEBDA4034u, 0xE85431D9u, 0x7682761Du, 0xA7532CC2u, 0x8A4336C9u,
+    0xE40C84FDu, 0x65C15681u, 0x555AACC1u, 0x4B75DB54u, 0x56746A09u, 0x5B0E0565u,
+    0x71316A21u, 0x33754D84u, 0x7363B6E8u, 0x49119608u, 0x9DFA1143u, 0x74E09D96u,
+    0xFD26399Eu, 0xD49B9E8Du, 0x2BF53DB5u, 0x3E65CA56u, 0x7F01D99Cu, 0xAD67A2B6u,
+    0x00803A7Bu, 0x3A6CBE98u,
+};
+
 // ---- scalar codes ------------------------------------------------------------------------
 
 __device__ __forceinline__ bool is_nonfinite(float x) {
@@ -225,9 +241,14 @@ __device__ __forceinline__ void store_value(u64 dst, int bf16, i64 index, float 
     else ((float*)dst)[index] = x;
 }
 
-// buf[0..n) = ((H_n (first * buf)) * inv_sqrt_n) * last, by the CTA; ends after a barrier.
-__device__ void rotate_shared(float* buf, int n, const float* first, const float* last, float inv_sqrt_n) {
-    for (int d = threadIdx.x; d < n; d += blockDim.x) buf[d] = buf[d] * first[d];
+__device__ __forceinline__ float sign_at(int table, int d) {
+    return (WHT_SIGNS[table + (d >> 5)] >> (d & 31)) & 1u ? -1.0f : 1.0f;
+}
+
+// buf[0..n) = ((H_n (first * buf)) * inv_sqrt_n) * last, by the CTA, `first` and `last`
+// being WHT_SIGNS word offsets; ends after a barrier.
+__device__ void rotate_shared(float* buf, int n, int first, int last, float inv_sqrt_n) {
+    for (int d = threadIdx.x; d < n; d += blockDim.x) buf[d] = buf[d] * sign_at(first, d);
     __syncthreads();
     for (int h = 1; h < n; h <<= 1) {
         for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
@@ -238,7 +259,7 @@ __device__ void rotate_shared(float* buf, int n, const float* first, const float
         }
         __syncthreads();
     }
-    for (int d = threadIdx.x; d < n; d += blockDim.x) buf[d] = (buf[d] * inv_sqrt_n) * last[d];
+    for (int d = threadIdx.x; d < n; d += blockDim.x) buf[d] = (buf[d] * inv_sqrt_n) * sign_at(last, d);
     __syncthreads();
 }
 
@@ -260,9 +281,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
     const i64* __restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,
     float inv_sqrt_n, unsigned long long* nonfinite,
     int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_src, i64 k_row_stride, int k_bf16, float k_scale,
-    const float* k_first, const float* k_last,
+    int k_first, int k_last,
     int v_fmt, u64 v_pool, i64 v_block_stride, u64 v_src, i64 v_row_stride, int v_bf16, float v_scale,
-    const float* v_first, const float* v_last)
+    int v_first, int v_last)
 {
     const int n = heads * head_dim;
     const i64 items = 2 * (i64)num_tokens;
@@ -275,8 +296,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
         const u64 src = side ? v_src : k_src;
         const int bf16 = side ? v_bf16 : k_bf16;
         const i64 row = (i64)token * (side ? v_row_stride : k_row_stride);
-        const float* first = side ? v_first : k_first;
-        const float* last = side ? v_last : k_last;
+        const int first = side ? v_first : k_first;
+        const int last = side ? v_last : k_last;
         const SideGeometry g = geometry(fmt, n, block_size);
         const i64 block = slot / block_size, offset = slot - block * block_size;
         u8* base = (u8*)((side ? v_pool : k_pool) + block * (side ? v_block_stride : k_block_stride));
@@ -293,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
             continue;
         }
         const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
-        if (first == 0) {
+        if (first < 0) {
             for (int gi = threadIdx.x; gi < n / GROUP; gi += blockDim.x) {
                 float x[GROUP];
                 for (int i = 0; i < GROUP; i++) {
@@ -326,9 +347,9 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
     const i64* __restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,
     float inv_sqrt_n,
     int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_out, i64 k_row_stride, int k_bf16, float k_scale,
-    const float* k_first, const float* k_last,
+    int k_first, int k_last,
     int v_fmt, u64 v_pool, i64 v_block_stride, u64 v_out, i64 v_row_stride, int v_bf16, float v_scale,
-    const float* v_first, const float* v_last)
+    int v_first, int v_last)
 {
     const int n = heads * head_dim;
     const i64 items = 2 * (i64)num_tokens;
@@ -344,8 +365,8 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
             for (int i = threadIdx.x; i < n; i += blockDim.x) store_value(out, bf16, row + i, 0.0f);
             continue;
         }
-        const float* first = side ? v_first : k_first;
-        const float* last = side ? v_last : k_last;
+        const int first = side ? v_first : k_first;
+        const int last = side ? v_last : k_last;
         const SideGeometry g = geometry(fmt, n, block_size);
         const i64 block = slot / block_size, offset = slot - block * block_size;
         const u8* base = (const u8*)((side ? v_pool : k_pool) + block * (side ? v_block_stride : k_block_stride));
@@ -360,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
             continue;
         }
         const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
-        if (first == 0) {
+        if (first < 0) {
             for (int gi = threadIdx.x; gi < n / GROUP; gi += blockDim.x) {
                 float x[GROUP];
                 decode_group(fmt, data + gi * group_bytes, scales + gi * ssize, x);
