@@ -149,3 +149,15 @@ def test_cuda_device_path_is_one_launch_and_byte_exact(stub_env):
         print("CHECK device path ok")
     ''')
     assert "CHECK device path ok" in out
+
+
+def test_readme_device_step_runs_over_the_stub(stub_env):
+    """The README's engine step on the device path runs as written (CudaBackend over the stub)."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (step,) = re.findall(r"```py\n(.*?)```", readme, flags=re.S)
+    assert "write_tokens" in step and "out_k=out_k" in step
+    out = run_on_stub(stub_env, step + '\nprint("CHECK readme step ok")\n')
+    assert "CHECK readme step ok" in out
