@@ -161,3 +161,27 @@ def test_readme_device_step_runs_over_the_stub(stub_env):
     assert "write_tokens" in step and "out_k=out_k" in step
     out = run_on_stub(stub_env, step + '\nprint("CHECK readme step ok")\n')
     assert "CHECK readme step ok" in out
+
+
+def test_kv_bench_smoke_over_the_stub(stub_env):
+    """tools/bench.py's kv section at --quick size over the stub: a row per side format, each
+    with its two floors printed, nothing left allocated (the figures are the CPU harness's,
+    so only the form is checked)."""
+    import pathlib
+
+    tools = pathlib.Path(__file__).resolve().parent.parent / "tools"
+    out = run_on_stub(stub_env, '''
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        sys.path.insert(0, %r)
+        import bench
+        bench.main(["--section", "kv", "--quick"])
+        assert STUB.stub_live_allocations() == 0 and STUB.stub_live_streams() == 0 and STUB.stub_live_events() == 0
+        print("CHECK bench ok")
+    ''' % str(tools), timeout=300)
+    lines = out.splitlines()
+    assert lines[0] == "== kv ==" and "libcuda stub" in lines[1] and "DRAM bandwidth" in lines[2], lines[:3]
+    for fmt in ("bf16", "fp8", "nvfp4", "turbo4", "turbo3", "turbo2", "turbo8"):
+        assert any(line.split()[:1] == [fmt] for line in lines), fmt
+        assert sum(f"floor   {fmt} " in line for line in lines) == 2, fmt
+    assert lines[-1] == "CHECK bench ok"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """pagedkv benchmarks: each section measures ours and its baseline side by side in one run
-and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU one.
+and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU ones.
 
-Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
+Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py, bench_kv.py,
 bench_quality.py); each exposes `run(args) -> None` and prints its own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
@@ -32,6 +32,7 @@ SECTIONS = {
     "quality": ("bench_quality", False),
     "serving": ("bench_serving", False),
     "gpu": ("bench_gpu", True),
+    "kv": ("bench_kv", True),
 }
 
 
