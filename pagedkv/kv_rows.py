@@ -4,8 +4,8 @@ A slot is `block * block_size + offset`; -1 skips a token. Each side is encoded 
 side format (turbo sides rotated, see `pagedkv.codecs`), and only the touched data rows and
 their scale rows are copied, one copy per run of consecutive slots in a block (two for the
 grouped formats: data, then scales). The work is done on the host and moved with the
-backend's synchronous `copy_h2d` / `copy_d2h`; on CudaBackend this stages through host
-memory until device write kernels exist.
+backend's synchronous `copy_h2d` / `copy_d2h` for host arrays; device arrays (and the
+`out_k`/`out_v` read form) go to `pagedkv.kv_device`, one kernel launch on CudaBackend.
 
 Values written must be finite: no format stores NaN or inf meaningfully (E4M3 has no inf and
 one NaN in a group would poison its scale), so a NaN or inf in a row that would be written is

@@ -2,7 +2,7 @@
 check over the stub: the generic ones of kernel_harness.mutations (a CTA or thread 0 that
 does nothing, a missing __syncthreads) and codec ones (E4M3 rounding ties down instead of
 to even, a butterfly with its difference reversed, BF16 rounding truncating, -1 slots
-not skipped). Only the code the harness executes is mutated; NVRTC compiles the real source.
+not skipped) and read-only ones (the nvfp4 sign flipped in the decode, -1 rows -0.0). Only the code the harness executes is mutated; NVRTC compiles the real source.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ CODEC_BUGS = {
     "e4m3_ties_down": ("(t + 0x7FFFFu + ((t >> 20) & 1u)) >> 20", "(t + 0x7FFFFu) >> 20"),
     "butterfly_reversed": ("buf[i + h] = a - b;", "buf[i + h] = b - a;"),
     "bf16_truncates": ("return (t + 0x7FFFu + ((t >> 16) & 1u)) >> 16;", "return t >> 16;"),
+    "read_nvfp4_sign_flipped": ("out[i] = (codes[i] & 8u ? -m : m) * d;", "out[i] = (codes[i] & 8u ? m : -m) * d;"),
+    "read_skip_row_not_zeroed": ("store_value(out, bf16, row + i, 0.0f);", "store_value(out, bf16, row + i, -0.0f);"),
     "skip_slot_ignored": ("if (fmt < 0 || slot < 0 || slot >= limit) continue;", "if (fmt < 0 || slot >= limit) continue;"),
 }
 KINDS = ["cta_does_nothing", "thread0_does_nothing", "missing_syncthreads", *CODEC_BUGS]

@@ -4,7 +4,8 @@ first) that builds the same multi-layer cache on CudaBackend and HostBackend, se
 pool byte alike, writes the same token rows (device rows and slots on CudaBackend, the host
 `kv_rows.write_tokens` on HostBackend) and asserts:
 
-- every byte of every pool equals HostBackend's (so untouched slots and the bytes around
+- at a grid of 2 CTAs (so each CTA loops over several token sides),
+  every byte of every pool equals HostBackend's (so untouched slots and the bytes around
   the written rows are unchanged), under two CTA orders;
 - the device read (float32 and BF16 output, with and without unrotation) equals the host
   decode bit for bit, -1 slots giving +0.0 rows.
@@ -39,6 +40,7 @@ from pagedkv.driver.kv_kernels import KvSideArgs
 from pagedkv.pools import KvPools
 
 STUB.stub_set_device(2, 9, 0)
+STUB.stub_set_occupancy(1)   # 2 SMs x 1 CTA: every launch's grid-stride loop wraps
 ORDERS = {orders!r}
 FORMATS, DIMS, BLOCK_SIZE, BF16_IN, PAD = {case!r}
 if FORMATS == "ALL":
@@ -126,7 +128,7 @@ for order in ORDERS:
                 KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), vp, vs, BF16_IN, V_SCALE),
                 stream)
             rec = launch(-1)[0]
-            assert rec.name == b"pagedkv_kv_write", rec.name
+            assert rec.name == b"pagedkv_kv_write" and rec.grid[0] == 2 < 2 * TOKENS, (rec.name, rec.grid[0])
         gpu.synchronize(stream)
         got_pools = pool_bytes(gpu, pools)
         for i, (got, want) in enumerate(zip(got_pools, want_pools)):
