@@ -142,9 +142,8 @@ def write_tokens(
     """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
     layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
     `k_scale`/`v_scale`). Everything is validated before the first byte is written; waits for
-    `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Encoding runs on
-    the host: on CudaBackend the rows are staged through host memory (synchronous
-    `copy_h2d`) until device write kernels exist. `check_blocks`, when given, is called with
+    `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Host arrays are
+    encoded on the host and staged with synchronous `copy_h2d`. `check_blocks`, when given, is called with
     the destination blocks (unique, sorted) before anything is written, and may raise to
     refuse them.
 
