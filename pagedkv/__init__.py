@@ -9,6 +9,7 @@ from .allocator import BlockAllocator, BlockReclaimer
 from .backend import NULL, Bf16Stats, BlockRegions, DevicePtr, GpuBackend
 from .cache import POISON_BYTE, PagedKvCache
 from .config import KvCacheConfig
+from .device_array import DeviceArray
 from .dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, SideFormat, accepted_names, side_bytes
 from .elastic_allocator import ElasticBlockAllocator
 from .env import EnvFlags, flags
@@ -51,6 +52,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "ConcurrentUseError",
+    "DeviceArray",
     "DeviceMemoryError",
     "DeviceOutOfMemory",
     "DevicePtr",

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import diagnostics, kv_rows
+from . import diagnostics, kv_device, kv_rows
 from .allocator import BlockAllocator, BlockReclaimer
 from .elastic_allocator import ElasticBlockAllocator
 from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
@@ -65,6 +65,13 @@ class PagedKvCache:
         self._config = config
         self._pools = KvPools(config, num_blocks, gpu, elastic=elastic)
         self._elastic = elastic is True
+        self._nonfinite = None
+        if kv_device.has_kv_kernels(gpu):
+            try:
+                self._nonfinite = kv_device.NonfiniteCounter(gpu)
+            except BaseException:
+                self._pools.release(gpu)
+                raise
         if self._elastic:
             self._allocator = ElasticBlockAllocator(num_blocks, self._pools, trace=env.kv_trace)
         else:
@@ -99,7 +106,7 @@ class PagedKvCache:
         was built on: KvCacheError, with nothing forgotten, otherwise. Afterwards allocation
         fails. A pool whose free failed stays recorded, so a second call retries it; with
         nothing left to free a second call does nothing."""
-        if self._allocator.released() and not self._pools.pending():
+        if self._allocator.released() and not self._pools.pending() and self._nonfinite is None:
             return
         self._pools.check_backend(gpu)
         if not self._allocator.released():
@@ -113,7 +120,12 @@ class PagedKvCache:
             if prefix_cache is not None:
                 self._allocator.detach_reclaimer(prefix_cache)
             self._allocator.release()
-        self._pools.release(gpu)
+        try:
+            self._pools.release(gpu)  # waits for every stream before the first free
+        finally:
+            if self._nonfinite is not None:  # a kernel queued before may still count into it
+                self._nonfinite.free(gpu)
+                self._nonfinite = None
 
     # -- validation -------------------------------------------------------------------
 
@@ -344,27 +356,42 @@ class PagedKvCache:
         Every destination block must be held (count > 0) and not in the prefix cache:
         refused naming the block otherwise, before anything is written."""
         kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
-                             check_blocks=self._allocator.check_writable)
+                             check_blocks=self._allocator.check_writable,
+                             nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr))
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-        """(k, v) float32 rows decoded from `layer`'s slots; see `pagedkv.kv_rows.read_tokens`."""
-        return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale)
+                    k_scale: float = 1.0, v_scale: float = 1.0, *, out_k=None, out_v=None,
+                    stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) float32 rows decoded from `layer`'s slots, or the device output form
+        (`out_k`, `out_v`, enqueued on `stream`); see `pagedkv.kv_rows.read_tokens`."""
+        return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale,
+                                   out_k=out_k, out_v=out_v, stream=stream)
+
+    def take_nonfinite_inputs(self, gpu: GpuBackend, stream: int) -> int:
+        """How many NaN/inf input values device writes met since the last call (waits for
+        `stream`), reset to 0 by this call and logged as a `kv_nonfinite_inputs` warning when
+        not 0. Always 0 on a backend without device writes: the host path refuses them."""
+        if self._nonfinite is None:
+            return 0
+        count = self._nonfinite.take(gpu, stream)
+        diagnostics.log_nonfinite_inputs(count)
+        return count
 
     # -- diagnostics ------------------------------------------------------------------
 
     def debug_kv_checksum_per_layer(
         self, blocks: Sequence[int], boundary_idx: int, gpu: GpuBackend, stream: int, tag: str
     ) -> None:
-        """Per BF16 layer, region (prefix/suffix of `blocks` at `boundary_idx`) and side, one
-        structlog event with float64 sum, ssq and sabs computed on the backend."""
+        """Per layer (every format), region (prefix/suffix of `blocks` at `boundary_idx`) and
+        side, one structlog event with the exact float64 sum, ssq and sabs of the stored
+        values decoded without unrotation (see `pagedkv.diagnostics`)."""
         diagnostics.checksum_per_layer(self._pools, blocks, boundary_idx, gpu, stream, tag)
 
     def debug_kv_per_block(
         self, layer: int, blocks: Sequence[int], gpu: GpuBackend, stream: int, tag: str
     ) -> None:
         """One structlog event per entry of `blocks`: logical index, physical block, K and V
-        sums of squares (nothing for a non-BF16 layer)."""
+        exact sums of squares of the decoded stored values, every format."""
         diagnostics.per_block(self._pools, layer, blocks, gpu, stream, tag)
 
     def block_regions(self) -> BlockRegions:

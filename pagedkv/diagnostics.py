@@ -1,4 +1,8 @@
-"""Checksum diagnostics for KV corruption hunts: BF16 reductions on the backend, as structlog events."""
+"""Checksum diagnostics for KV corruption hunts, as structlog events: the exact sum, sum of
+squares and sum of |x| of every side's stored values, decoded without unrotation (fp8 as
+its E4M3 values, without the per-tensor scale). BF16 sides are reduced on the backend
+(`reduce_bf16_blocks`); the other formats are read back and decoded by the host codecs,
+so every backend prints the same numbers: what `math.fsum` gives over the decoded values."""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .backend import GpuBackend
-from .dtype import KvCacheDtype
+from .backend import Bf16Stats, GpuBackend
+from .codecs import decode
+from .dtype import KvCacheDtype, side_bytes
+from .exact_sum import float_stats
 from .log import get_logger
 from .pools import KvPools
 from .validate import as_int, block_list
@@ -15,13 +21,27 @@ from .validate import as_int, block_list
 _log = get_logger("diagnostics")
 
 
-def _bf16_sides(pools: KvPools, layer: int) -> list[str]:
-    """The sides of `layer` stored as BF16 ("K", "V"); V is omitted when it aliases K."""
-    k, v = pools.config().dtype_for_layer(layer).kv_pair()
-    sides = ["K"] if k is KvCacheDtype.BF16 else []
-    if v is KvCacheDtype.BF16 and not pools.config().v_aliases_k:
-        sides.append("V")
-    return sides
+def _sides(pools: KvPools) -> list[str]:
+    """The sides every layer stores ("K", "V"); V is omitted when it aliases K."""
+    return ["K"] if pools.config().v_aliases_k else ["K", "V"]
+
+
+def side_stats(pools: KvPools, layer: int, side: str, idx: np.ndarray, gpu: GpuBackend, stream: int) -> Bf16Stats:
+    """Exact checksums of `side` ("K"/"V") of `layer` over blocks `idx` (see the module
+    docstring); the caller has synchronised `stream` for a decoded format."""
+    fmt = pools.config().dtype_for_layer(layer).kv_pair()[0 if side == "K" else 1]
+    if fmt is KvCacheDtype.BF16:
+        return gpu.reduce_bf16_blocks(pools.regions(), pools.region_index(layer, side), idx, stream)
+    heads, head_dim = pools.config().dims_for_layer(layer)
+    block_size = pools.config().block_size
+    nbytes = side_bytes(fmt, block_size * heads * head_dim)
+    block_ptr = pools.k_block_ptr if side == "K" else pools.v_block_ptr
+    values = np.empty((idx.size, block_size, heads, head_dim), np.float32)
+    raw = np.empty(nbytes, np.uint8)
+    for i, block in enumerate(idx.tolist()):
+        gpu.copy_d2h(block_ptr(layer, int(block)), raw)
+        values[i] = decode(raw, fmt, block_size, heads, head_dim, unrotate=False)
+    return float_stats(values)
 
 
 def _block_array(pools: KvPools, blocks: Sequence[int]) -> np.ndarray:
@@ -38,28 +58,21 @@ def checksum_per_layer(
     stream: int,
     tag: str,
 ) -> None:
-    """Synchronise `stream`, then emit `kv_checksum` per BF16 layer, region and side.
+    """Synchronise `stream`, then emit `kv_checksum` per layer, region and side, every format.
 
     `prefix` is `blocks[:boundary_idx]` and `suffix` the rest (the boundary clamps to the
-    list). Each event has `tag, layer, region, side, nblk, sum, ssq, sabs`, the sums in
-    float64 over every BF16 value of those blocks, reduced by the backend in one call.
+    list). Each event has `tag, layer, region, side, nblk, sum, ssq, sabs`, the exact sums
+    (module docstring) over every stored value of those blocks.
     """
     idx_all = _block_array(pools, blocks)  # every index checked before any event is written
     cut = min(max(as_int(boundary_idx, "boundary_idx"), 0), idx_all.size)
     regions = (("prefix", idx_all[:cut]), ("suffix", idx_all[cut:]))
     gpu.synchronize(stream)
-    table = pools.regions()
     config = pools.config()
     for layer in range(config.num_layers):
-        sides = _bf16_sides(pools, layer)
-        if layer == 0 and len(sides) < (1 if config.v_aliases_k else 2):
-            _log.warning(
-                "kv_checksum_non_bf16_layer0", tag=tag, dtype=str(config.dtype_for_layer(0)),
-                note="only BF16 sides are checksummed",
-            )
         for region, idx in regions:
-            for side in sides:
-                stats = gpu.reduce_bf16_blocks(table, pools.region_index(layer, side), idx, stream)
+            for side in _sides(pools):
+                stats = side_stats(pools, layer, side, idx, gpu, stream)
                 _log.info(
                     "kv_checksum", tag=tag, layer=layer, region=region, side=side,
                     nblk=int(idx.size), sum=stats.sum, ssq=stats.ssq, sabs=stats.sabs,
@@ -70,19 +83,21 @@ def per_block(
     pools: KvPools, layer: int, blocks: Sequence[int], gpu: GpuBackend, stream: int, tag: str
 ) -> None:
     """Emit `kv_block_checksum` per entry of `blocks`, in order: `tag, layer, logical, phys,
-    k_ssq, v_ssq` (v_ssq None when V is not BF16). Nothing when K is not BF16."""
+    k_ssq, v_ssq`, the exact sums of squares of every format (module docstring; v_ssq None
+    when V aliases K)."""
     pools.layer(layer)
-    sides = _bf16_sides(pools, layer)
+    sides = _sides(pools)
     idx_all = _block_array(pools, blocks)  # every index checked before any event is written
-    if "K" not in sides:
-        return
     gpu.synchronize(stream)
-    table = pools.regions()
-    k_row = pools.region_index(layer, "K")
-    v_row = pools.region_index(layer, "V") if "V" in sides else None
     for logical, phys in enumerate(idx_all.tolist()):
         idx = idx_all[logical : logical + 1]
-        k_ssq = gpu.reduce_bf16_blocks(table, k_row, idx, stream).ssq
-        v_ssq = None if v_row is None else gpu.reduce_bf16_blocks(table, v_row, idx, stream).ssq
+        k_ssq = side_stats(pools, layer, "K", idx, gpu, stream).ssq
+        v_ssq = side_stats(pools, layer, "V", idx, gpu, stream).ssq if "V" in sides else None
         _log.info("kv_block_checksum", tag=tag, layer=layer, logical=logical, phys=int(phys),
                   k_ssq=k_ssq, v_ssq=v_ssq)
+
+
+def log_nonfinite_inputs(count: int) -> None:
+    """Log `count` NaN/inf inputs that device KV writes met (a warning; nothing when 0)."""
+    if count:
+        _log.warning("kv_nonfinite_inputs", count=int(count))

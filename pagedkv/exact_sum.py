@@ -113,3 +113,17 @@ def bf16_stats(bits: np.ndarray) -> Bf16Stats:
             absolute += (p + n) << s
             squares += int(sq[s]) << (2 * s)
     return stats_from_integers(total, squares, absolute, flags)
+
+
+def float_stats(values: np.ndarray) -> Bf16Stats:
+    """The exact checksums of float32 `values` (any shape), each correctly rounded to
+    float64 once: `math.fsum` of the values, of their squares (exact in float64) and of
+    their magnitudes. Non-finite values follow the rules of the module docstring; an exactly
+    zero sum is +0.0."""
+    x = np.asarray(values, dtype=np.float32).reshape(-1).astype(np.float64)
+    if np.isnan(x).any():
+        return Bf16Stats(math.nan, math.nan, math.nan)
+    pos, neg = bool(np.isposinf(x).any()), bool(np.isneginf(x).any())
+    if pos or neg:
+        return Bf16Stats(math.nan if pos and neg else (math.inf if pos else -math.inf), math.inf, math.inf)
+    return Bf16Stats(math.fsum(x.tolist()) + 0.0, math.fsum((x * x).tolist()) + 0.0, math.fsum(np.abs(x).tolist()) + 0.0)

@@ -4,8 +4,8 @@ A slot is `block * block_size + offset`; -1 skips a token. Each side is encoded 
 side format (turbo sides rotated, see `pagedkv.codecs`), and only the touched data rows and
 their scale rows are copied, one copy per run of consecutive slots in a block (two for the
 grouped formats: data, then scales). The work is done on the host and moved with the
-backend's synchronous `copy_h2d` / `copy_d2h`; on CudaBackend this stages through host
-memory until device write kernels exist.
+backend's synchronous `copy_h2d` / `copy_d2h` for host arrays; device arrays (and the
+`out_k`/`out_v` read form) go to `pagedkv.kv_device`, one kernel launch on CudaBackend.
 
 Values written must be finite: no format stores NaN or inf meaningfully (E4M3 has no inf and
 one NaN in a group would poison its scale), so a NaN or inf in a row that would be written is
@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import kv_device
 from .backend import DevicePtr, GpuBackend
 from .codecs import check_side_geometry, decode, encode
 from .codecs.side import as_float32_values, check_scale, require_finite
@@ -67,7 +68,8 @@ class _Runs:
     stops: np.ndarray
 
 
-def _layer_geometry(pools: KvPools, layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
+def layer_geometry(pools: KvPools, layer: int) -> tuple[int, int, KvCacheDtype, KvCacheDtype]:
+    """(num_kv_heads, head_dim, K side format, V side format) of `layer` (validated)."""
     pools.layer(layer)  # validates the layer and that the pools are live
     config = pools.config()
     heads, head_dim = config.dims_for_layer(layer)
@@ -135,16 +137,30 @@ def write_tokens(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     check_blocks: Callable[[np.ndarray], None] | None = None,
+    nonfinite: int = 0,
 ) -> None:
     """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
     layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
     `k_scale`/`v_scale`). Everything is validated before the first byte is written; waits for
-    `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Encoding runs on
-    the host: on CudaBackend the rows are staged through host memory (synchronous
-    `copy_h2d`) until device write kernels exist. `check_blocks`, when given, is called with
+    `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Host arrays are
+    encoded on the host and staged with synchronous `copy_h2d`. `check_blocks`, when given, is called with
     the destination blocks (unique, sorted) before anything is written, and may raise to
-    refuse them."""
-    heads, head_dim, k_fmt, v_fmt = _layer_geometry(pools, layer)
+    refuse them.
+
+    Device inputs (`pagedkv.DeviceArray`, DLPack producers on the backend's device,
+    SequenceTable exports for `slots`) take `pagedkv.kv_device`: on CudaBackend one kernel
+    launch enqueued on `stream` (no sync, allocation or copy; `check_blocks` is not called
+    and slot values are not checked on the host; NaN/inf inputs add to the device counter
+    at `nonfinite`), on HostBackend numpy views of its memory through the host codecs."""
+    if kv_device.is_device_input(k) or kv_device.is_device_input(v):
+        check_scale(k_scale), check_scale(v_scale)
+        if kv_device.has_kv_kernels(gpu):
+            kv_device.write_tokens(pools, layer, layer_geometry(pools, layer), slots, k, v, gpu, stream, k_scale, v_scale, nonfinite)
+            return
+        k, v = (kv_device.host_view(x, what, gpu) if kv_device.is_device_input(x) else x
+                for x, what in ((k, "k"), (v, "v")))
+    slots = kv_device.host_slots(slots, gpu)
+    heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size
     k_side = _Side.of(k_fmt, block_size, heads, head_dim)
@@ -193,12 +209,38 @@ def read_tokens(
     unrotate: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    out_k=None,
+    out_v=None,
+    stream: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(k, v) float32 [num_slots, num_kv_heads, head_dim] decoded from `layer`'s slots; a -1
     slot gives a row of zeros. Turbo sides come back in the model's basis unless
     `unrotate=False`; fp8 sides are multiplied by `k_scale`/`v_scale`. Under `v_aliases_k`
-    V is a copy of K."""
-    heads, head_dim, k_fmt, v_fmt = _layer_geometry(pools, layer)
+    V is a copy of K.
+
+    The output form (`out_k` and `out_v` given: DeviceArrays or DLPack producers shaped
+    [num_slots, heads, head_dim], float32 or BF16) returns (out_k, out_v) filled: on
+    CudaBackend one kernel launch enqueued on `stream` (slots must then be on the device
+    too; a slot outside the cache reads as zeros), on HostBackend the host decode written
+    into that memory."""
+    if (out_k is None) != (out_v is None):
+        raise TypeError("give both out_k and out_v, or neither")
+    if out_k is not None:
+        check_scale(k_scale), check_scale(v_scale)
+        if kv_device.has_kv_kernels(gpu):
+            return kv_device.read_tokens(pools, layer, layer_geometry(pools, layer), slots, gpu, stream, unrotate, k_scale, v_scale, out_k, out_v)
+        k, v = read_tokens(pools, layer, slots, gpu, unrotate, k_scale, v_scale)
+        for out, values, what in ((out_k, k, "out_k"), (out_v, v, "out_v")):
+            view = kv_device.host_view(out, what, gpu) if kv_device.is_device_input(out) else out
+            if view.shape != values.shape:
+                raise ValueError(f"{what} must be shaped {values.shape}, got {view.shape}")
+            if view.dtype.name not in ("float32", "bfloat16"):
+                raise TypeError(f"{what} must be float32 or bfloat16, got dtype {view.dtype}")
+            view[...] = values.astype(view.dtype)
+        return out_k, out_v
+    slots = kv_device.host_slots(slots, gpu)
+    heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size
     check_scale(k_scale), check_scale(v_scale)

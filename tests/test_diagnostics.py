@@ -1,5 +1,7 @@
 """Checksum diagnostics: structlog events whose sums are checked against ml_dtypes/numpy sums."""
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -132,20 +134,45 @@ def test_checksum_zeroed_and_poisoned_blocks(gpu):
     cache.release(gpu)
 
 
-def test_non_bf16_layers_skipped_warning_when_layer0(gpu):
-    cache = make(gpu, "bf16", layers=3, layer_dtypes=["fp8", "bf16", "turbo4"])
-    known = write_known(cache, gpu, seed=3)
+def decoded_sums(cache, gpu, layer, side, blocks):
+    """math.fsum over the values read_tokens decodes (no unrotation, fp8 scale 1) of every
+    slot of `blocks`: the reference the checksums must equal exactly."""
+    if not blocks:
+        return 0.0, 0.0, 0.0
+    bs = cache.config().block_size
+    slots = np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in blocks]).astype(np.int64)
+    k, v = cache.read_tokens(layer, slots, gpu, unrotate=False)
+    x = (k if side == "K" else v).astype(np.float64).ravel()
+    return math.fsum(x) + 0.0, math.fsum(x * x) + 0.0, math.fsum(np.abs(x)) + 0.0
+
+
+def write_random_tokens(cache, gpu, seed):
+    rng = np.random.default_rng(seed)
+    bs = cache.config().block_size
+    slots = np.arange(cache.num_blocks() * bs, dtype=np.int64)
+    for layer in range(cache.num_layers()):
+        heads, head_dim = cache.config().dims_for_layer(layer)
+        k = (rng.standard_normal((slots.size, heads, head_dim)) * 3).astype(np.float32)
+        v = (rng.standard_normal((slots.size, heads, head_dim)) * 3).astype(np.float32)
+        k[0, 0, :16] = 0.0  # an all-zero group
+        cache.write_tokens(layer, slots, k, v, gpu, gpu.default_stream())
+
+
+def test_every_format_is_checksummed_exactly(gpu):
+    formats = ["fp8", "bf16", "turbo4", "nvfp4", "turbo8", "turbo3", "turbo2", "fp8k_turbo2v"]
+    cache = make(gpu, "bf16", layers=len(formats), layer_dtypes=formats)
+    write_random_tokens(cache, gpu, seed=3)
     with capture_logs() as logs:
-        cache.debug_kv_checksum_per_layer([1, 2], 1, gpu, gpu.default_stream(), "w")
-    warnings = [e for e in logs if e["log_level"] == "warning"]
-    assert len(warnings) == 1
-    assert warnings[0]["event"] == "kv_checksum_non_bf16_layer0" and warnings[0]["tag"] == "w"
-    assert warnings[0]["dtype"] == "fp8"
+        cache.debug_kv_checksum_per_layer([1, 2, 4], 1, gpu, gpu.default_stream(), "w")
+    assert [e["log_level"] for e in logs] == ["info"] * (len(formats) * 4)
     events = checksum_events(logs)
-    assert {e["layer"] for e in events} == {1}
+    assert [(e["layer"], e["region"], e["side"]) for e in events] == [
+        (layer, region, side) for layer in range(len(formats)) for region in ("prefix", "suffix") for side in "KV"]
     for e in events:
-        region_blocks = [1] if e["region"] == "prefix" else [2]
-        assert (e["sum"], e["ssq"], e["sabs"]) == expected_sums(known, 1, e["side"], region_blocks)
+        region_blocks = [1] if e["region"] == "prefix" else [2, 4]
+        want = decoded_sums(cache, gpu, e["layer"], e["side"], region_blocks)
+        assert (e["sum"], e["ssq"], e["sabs"]) == want, (formats[e["layer"]], e["side"], e["region"])
+        assert e["ssq"] > 0
     cache.release(gpu)
 
 
@@ -154,8 +181,8 @@ def test_no_warning_when_layer0_is_bf16(gpu):
     write_known(cache, gpu)
     with capture_logs() as logs:
         cache.debug_kv_checksum_per_layer([0], 1, gpu, gpu.default_stream(), "x")
-    assert [e["log_level"] for e in logs] == ["info"] * 4
-    assert {e["layer"] for e in logs} == {0}
+    assert [e["log_level"] for e in logs] == ["info"] * 8
+    assert {e["layer"] for e in logs} == {0, 1}
     cache.release(gpu)
 
 
@@ -169,12 +196,16 @@ def test_mixed_formats_and_dims(gpu):
     events = checksum_events(logs)
     assert [(e["layer"], e["region"], e["side"]) for e in events] == [
         (0, "prefix", "K"), (0, "prefix", "V"), (0, "suffix", "K"), (0, "suffix", "V"),
-        (1, "prefix", "K"), (1, "suffix", "K"),
+        (1, "prefix", "K"), (1, "prefix", "V"), (1, "suffix", "K"), (1, "suffix", "V"),
         (2, "prefix", "K"), (2, "prefix", "V"), (2, "suffix", "K"), (2, "suffix", "V"),
     ]
     for e in events:
         region_blocks = [5] if e["region"] == "prefix" else [3, 1]
-        assert (e["sum"], e["ssq"], e["sabs"]) == expected_sums(known, e["layer"], e["side"], region_blocks)
+        if (e["layer"], e["side"]) == (1, "V"):  # turbo4: decoded values
+            want = decoded_sums(cache, gpu, 1, "V", region_blocks)
+        else:
+            want = expected_sums(known, e["layer"], e["side"], region_blocks)
+        assert (e["sum"], e["ssq"], e["sabs"]) == want
     cache.release(gpu)
 
 
@@ -216,8 +247,10 @@ def test_checksum_synchronises_then_reduces_on_the_backend():
     cache = make(gpu, "bf16", layers=3, layer_dtypes=["bf16", "bf16k3v"])
     s = gpu.create_stream()
     cache.debug_kv_checksum_per_layer([0, 1, 2], 2, gpu, s, "c")
-    # 2 regions x (2 + 1 + 2) BF16 sides, no copies to the host
-    assert gpu.calls == ["synchronize"] + ["reduce"] * 10
+    # BF16 sides reduce on the backend; layer 1's turbo3 V is read back block by block
+    bf16_layer = ["reduce"] * 4
+    layer1 = ["reduce", "copy_d2h", "copy_d2h", "reduce", "copy_d2h"]
+    assert gpu.calls == ["synchronize"] + bf16_layer + layer1 + bf16_layer
     cache.release(gpu)
 
 
@@ -236,15 +269,17 @@ def test_per_block_events(gpu):
     cache.release(gpu)
 
 
-def test_per_block_non_bf16_layer_is_silent(gpu):
+def test_per_block_covers_every_format(gpu):
     cache = make(gpu, "bf16", layers=3, layer_dtypes=["fp8", "bf16k2v"])
-    known = write_known(cache, gpu, seed=7)
+    write_random_tokens(cache, gpu, seed=7)
     with capture_logs() as logs:
         cache.debug_kv_per_block(0, [1, 2], gpu, gpu.default_stream(), "fp8")
-    assert logs == []
+    assert [(e["phys"], e["k_ssq"], e["v_ssq"]) for e in logs] == [
+        (b, decoded_sums(cache, gpu, 0, "K", [b])[1], decoded_sums(cache, gpu, 0, "V", [b])[1]) for b in (1, 2)]
     with capture_logs() as logs:
         cache.debug_kv_per_block(1, [2], gpu, gpu.default_stream(), "asym")
-    assert [(e["phys"], e["k_ssq"], e["v_ssq"]) for e in logs] == [(2, expected_sums(known, 1, "K", [2])[1], None)]
+    assert [(e["phys"], e["k_ssq"], e["v_ssq"]) for e in logs] == [
+        (2, decoded_sums(cache, gpu, 1, "K", [2])[1], decoded_sums(cache, gpu, 1, "V", [2])[1])]
     cache.release(gpu)
 
 

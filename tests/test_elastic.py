@@ -377,7 +377,7 @@ def test_readme_elastic_example_runs():
     import re
 
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    (example,) = re.findall(r"```py\n(.*?)```", readme, flags=re.S)
+    (example,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "elastic=True" in block]
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["cache"].num_blocks() == 0 and namespace["gpu"].live_allocations() == 0

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """pagedkv benchmarks: each section measures ours and its baseline side by side in one run
-and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU one.
+and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU ones.
 
 Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
-bench_quality.py, bench_elastic.py); each exposes `run(args) -> None` and prints its own table.
+bench_kv.py, bench_quality.py, bench_elastic.py); each exposes `run(args) -> None` and prints its
+own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
 
@@ -33,6 +34,7 @@ SECTIONS = {
     "serving": ("bench_serving", False),
     "elastic": ("bench_elastic", False),
     "gpu": ("bench_gpu", True),
+    "kv": ("bench_kv", True),
 }
 
 

@@ -18,6 +18,7 @@ from ..validate import non_negative_int
 from ._bindings import driver as _driver
 from .device import load_driver, read_device_facts
 from .errors import BackendClosed, CudaUnavailable, check
+from .kv_kernels import KvKernels
 from .kernels import KERNELS, REDUCE_THREADS, THREADS, BlockKernels
 from .memory import MemoryAndCopies
 from .staging import StagingRing
@@ -27,7 +28,7 @@ __all__ = ["CudaBackend", "KERNELS", "REDUCE_THREADS", "THREADS"]
 _log = get_logger("cuda")
 
 
-class CudaBackend(MemoryAndCopies, BlockKernels):
+class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
     """The GpuBackend of one CUDA device (`device` ordinal), in its primary context.
 
     Construction initialises the driver, retains the primary context and loads the

@@ -25,6 +25,7 @@ from ..backend import (
 from ..exact_sum import RESULT_WORDS, stats_from_words
 from . import nvrtc
 from .errors import check
+from .kv_kernels import KERNEL_TABLE as KV_KERNEL_TABLE
 from .launch import CopyArgs, FillArgs, KernelLauncher, ReduceFinalArgs, ReducePartialArgs
 from .staging import StagingRing, StagingSlot
 
@@ -45,6 +46,7 @@ KERNELS = {
         ("pagedkv_reduce_bf16_partial", ReducePartialArgs, REDUCE_THREADS),
         ("pagedkv_reduce_bf16_final", ReduceFinalArgs, REDUCE_THREADS),
     ],
+    "kv_rows.cu": KV_KERNEL_TABLE,
 }
 
 

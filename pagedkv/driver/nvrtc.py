@@ -43,6 +43,11 @@ _SOURCE_DEFINES = {
     ),
 }
 
+_SOURCE_OPTIONS = {
+    # byte-exact with the host codecs: every multiply and add rounded on its own
+    "kv_rows.cu": ("--fmad=false",),
+}
+
 _MAGIC = b"PKVCUBIN1\n"
 _log = get_logger("nvrtc")
 
@@ -85,6 +90,12 @@ def source_defines(filename: str) -> tuple[str, ...]:
     """The `-D` options the kernel source `filename` is compiled with (empty for a file
     that takes none); the CPU kernel harness compiles the same source with the same ones."""
     return _SOURCE_DEFINES.get(filename, ())
+
+
+def source_options(filename: str) -> tuple[str, ...]:
+    """NVRTC options besides `-D` ones that the kernel source `filename` is compiled with
+    (`--fmad=false` for the KV codec kernels; the harness builds with -ffp-contract=off)."""
+    return _SOURCE_OPTIONS.get(filename, ())
 
 
 def arch_option(major: int, minor: int) -> str:
@@ -188,7 +199,7 @@ def compile_cached(
     stored (`cache_dir` defaults to `default_cache_dir()`)."""
     source = Path(path).read_bytes()
     filename = Path(path).name
-    options = (*options, *source_defines(filename))
+    options = (*options, *source_options(filename), *source_defines(filename))
     entry = (cache_dir or default_cache_dir()) / f"{cache_key(source, filename, options, arch)}.cubin"
     cached = _read_entry(entry)
     if cached is not None:

@@ -1,0 +1,155 @@
+"""KV rows on the device: the launches of `pagedkv_kv_write` / `pagedkv_kv_read`
+(nvrtc_src/kv_rows.cu), byte-exact with the host codecs of pagedkv.codecs.
+
+`KvKernels` is a mixin of CudaBackend. Its two methods take device addresses only and
+enqueue one kernel launch on `stream`: no host synchronisation, no allocation and no copy
+per call (the rotation sign tables are constants of the kernel source), so a step can be captured in a CUDA graph after a first call.
+`KvSideArgs` names one side of a call: its format, pool and rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import DevicePtr
+from ..codecs.rotation import ROTATED_HEAD_DIMS
+from ..dtype import SIDE_FORMATS, KvCacheDtype
+
+KV_THREADS = 128
+"""Threads per CTA of the KV row kernels (KV_THREADS in kv_rows.cu)."""
+
+FORMAT_CODES = {
+    KvCacheDtype.BF16: 0,
+    KvCacheDtype.FP8: 1,
+    KvCacheDtype.NVFP4: 2,
+    KvCacheDtype.TURBO4: 3,
+    KvCacheDtype.TURBO3: 4,
+    KvCacheDtype.TURBO2: 5,
+    KvCacheDtype.TURBO8: 6,
+}
+"""The FMT_* code of each side format in kv_rows.cu."""
+
+SKIP_SIDE = -1
+"""The format code of a side a call does not touch (V under v_aliases_k)."""
+
+_SIDE_FIELDS = [
+    ("fmt", ctypes.c_int32),
+    ("pool", ctypes.c_uint64),
+    ("block_stride", ctypes.c_int64),
+    ("rows", ctypes.c_uint64),
+    ("row_stride", ctypes.c_int64),
+    ("bf16", ctypes.c_int32),
+    ("scale", ctypes.c_float),
+    ("first", ctypes.c_int32),
+    ("last", ctypes.c_int32),
+]
+
+
+def _fields(*, counter: bool) -> list:
+    head = [
+        ("slots", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("limit", ctypes.c_int64),
+        ("inv_sqrt_n", ctypes.c_float),
+    ]
+    if counter:
+        head.append(("nonfinite", ctypes.c_uint64))
+    return head + [(f"k_{n}", t) for n, t in _SIDE_FIELDS] + [(f"v_{n}", t) for n, t in _SIDE_FIELDS]
+
+
+class KvWriteArgs(ctypes.Structure):
+    """Parameters of `pagedkv_kv_write` (kv_rows.cu)."""
+
+    _fields_ = _fields(counter=True)
+
+
+class KvReadArgs(ctypes.Structure):
+    """Parameters of `pagedkv_kv_read` (kv_rows.cu)."""
+
+    _fields_ = _fields(counter=False)
+
+
+KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS)]
+"""(kernel name, argument structure, threads per CTA) of kv_rows.cu."""
+
+
+@dataclass(frozen=True)
+class KvSideArgs:
+    """One side of a KV row launch: side format `fmt` (or None: not touched), the pool's
+    first block `pool` and `block_stride` bytes between blocks, the token rows at `rows`
+    (float32, or BF16 when `bf16`), `row_stride` elements apart, `[heads, head_dim]`
+    contiguous within a row; `scale` is fp8's dequantisation scale; `rotated` asks for the
+    Walsh-Hadamard rotation (write) or unrotation (read) of a turbo side whose head_dim
+    has one."""
+
+    fmt: KvCacheDtype | None
+    pool: int
+    block_stride: int
+    rows: int
+    row_stride: int
+    bf16: bool = False
+    scale: float = 1.0
+    rotated: bool = True
+
+
+SIGN_TABLE_WORDS = {128: (0, 4), 256: (8, 16), 512: (24, 40)}
+"""head_dim -> (signs1, signs2) word offsets in kv_rows.cu's WHT_SIGNS bit-mask table."""
+
+
+class KvKernels:
+    """The KV row half of CudaBackend (a mixin: CudaBackend provides `_enter`, `_lock`,
+    `_stream`, `_launchers` and `_grid`)."""
+
+    def _side_fields(self, prefix: str, side: KvSideArgs, head_dim: int, reading: bool) -> dict:
+        if side.fmt is None:
+            fields = dict(fmt=SKIP_SIDE, pool=0, block_stride=0, rows=0, row_stride=0, bf16=0, scale=1.0, first=-1, last=-1)
+        else:
+            first = last = -1
+            if side.rotated and SIDE_FORMATS[side.fmt].rotated and head_dim in ROTATED_HEAD_DIMS:
+                s1, s2 = SIGN_TABLE_WORDS[head_dim]
+                first, last = (s2, s1) if reading else (s1, s2)
+            fields = dict(
+                fmt=FORMAT_CODES[side.fmt], pool=int(side.pool), block_stride=int(side.block_stride),
+                rows=int(side.rows), row_stride=int(side.row_stride), bf16=int(bool(side.bf16)),
+                scale=float(np.float32(side.scale)), first=first, last=last,
+            )
+        return {f"{prefix}_{k}": v for k, v in fields.items()}
+
+    def _kv_launch(self, name: str, slots: int, num_tokens: int, heads: int, head_dim: int, block_size: int,
+                   limit: int, k: KvSideArgs, v: KvSideArgs, stream: int, extra: dict) -> None:
+        handle = self._stream(stream)
+        if num_tokens == 0:
+            return
+        inv_sqrt_n = float(np.float32(1.0 / np.sqrt(head_dim)))
+        with self._lock:
+            self._enter()
+            fields = dict(
+                slots=int(slots), num_tokens=num_tokens, heads=heads, head_dim=head_dim, block_size=block_size,
+                limit=limit, inv_sqrt_n=inv_sqrt_n, **extra,
+                **self._side_fields("k", k, head_dim, name.endswith("read")),
+                **self._side_fields("v", v, head_dim, name.endswith("read")),
+            )
+            self._launchers[name].launch(self._grid(name, 2 * num_tokens), handle, **fields)
+
+    def kv_write_rows(self, slots: DevicePtr, num_tokens: int, heads: int, head_dim: int, block_size: int,
+                      limit: int, k: KvSideArgs, v: KvSideArgs, stream: int, nonfinite: int = 0) -> None:
+        """Enqueue on `stream` the encoding of `num_tokens` rows of each side into the slots
+        at `slots` (device int64; a slot outside 0..limit-1, -1 included, is skipped), one
+        launch for both sides; NaN/inf inputs add to the device uint64 at `nonfinite` (when
+        not 0). The caller has validated geometry and addresses; nothing is checked on the
+        device."""
+        self._kv_launch("pagedkv_kv_write", slots, num_tokens, heads, head_dim, block_size, limit, k, v, stream,
+                        {"nonfinite": int(nonfinite)})
+
+    def kv_read_rows(self, slots: DevicePtr, num_tokens: int, heads: int, head_dim: int, block_size: int,
+                     limit: int, k: KvSideArgs, v: KvSideArgs, stream: int) -> None:
+        """Enqueue on `stream` the decoding of the slots at `slots` into each side's rows
+        (float32 or BF16; a slot outside 0..limit-1 gives zeros), one launch for both sides;
+        turbo sides are unrotated when the side asks for `rotated`."""
+        self._kv_launch("pagedkv_kv_read", slots, num_tokens, heads, head_dim, block_size, limit, k, v, stream, {})

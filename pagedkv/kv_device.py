@@ -1,0 +1,170 @@
+"""The device path of `kv_rows.write_tokens` / `read_tokens`: K/V rows, slots and outputs
+that live in the backend's memory (`pagedkv.DeviceArray`, any `__dlpack__` producer on the
+backend's device, a SequenceTable export).
+
+On a backend with the KV row kernels (CudaBackend: `kv_write_rows`) a call validates shapes
+and dtypes on the host and enqueues one kernel launch on `stream`: no synchronisation, no
+allocation, no copy. Slot values are not read on the host: a slot outside the cache (-1
+included) is skipped by the write and reads as zeros; a slot repeated within one call is
+the caller's error (the rows race). NaN/inf inputs are counted in the cache's device
+counter instead of refused. On a host-memory backend (HostBackend) the same arguments are
+turned into numpy views of that memory and take the host codec path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .device_array import DeviceArray, from_dlpack
+from .driver.kv_kernels import KvSideArgs
+
+KDL_CPU = 1
+
+
+def is_device_input(x: Any) -> bool:
+    """True for a DeviceArray or a non-numpy DLPack producer (device rows, slots or outputs)."""
+    return isinstance(x, DeviceArray) or (x is not None and not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"))
+
+
+def has_kv_kernels(gpu: Any) -> bool:
+    """True when `gpu` runs the KV row kernels (CudaBackend)."""
+    return callable(getattr(gpu, "kv_write_rows", None))
+
+
+def _dlpack_stream(stream: int) -> int:
+    return int(stream) or 1  # DLPack's legacy default stream is 1, never 0
+
+
+def device_array(x: Any, what: str, gpu: Any, stream: int) -> DeviceArray:
+    """`x` as a DeviceArray on `gpu`'s device; TypeError naming `what` otherwise."""
+    if isinstance(x, DeviceArray):
+        arr = x
+    elif is_device_input(x):
+        arr = from_dlpack(x, _dlpack_stream(stream))
+    else:
+        raise TypeError(f"{what} must be a DeviceArray or a DLPack producer on the device, got {type(x).__name__}")
+    from .views import dlpack_device_of
+
+    want = dlpack_device_of(gpu)
+    if arr.device is not None and arr.device != want:
+        raise ValueError(f"{what} lives on DLPack device {arr.device}, not on the backend's {want}")
+    return arr
+
+
+def host_view(x: Any, what: str, gpu: Any) -> np.ndarray:
+    """On a host-memory backend, `x` (DeviceArray or DLPack producer) as a numpy view."""
+    if isinstance(x, DeviceArray):
+        raw = gpu.view(x.ptr, x.nbytes_spanned) if x.nbytes_spanned else np.zeros(0, np.uint8)
+        rows = x.shape[0]
+        inner = x.shape[1:]
+        packed = int(np.prod(inner, dtype=np.int64))
+        flat = raw.view(x.dtype)
+        if rows == 0:
+            return np.zeros(x.shape, x.dtype)
+        strided = np.lib.stride_tricks.as_strided(
+            flat, (rows, packed), (x.row_stride * x.dtype.itemsize, x.dtype.itemsize), writeable=True)
+        return strided.reshape(x.shape)
+    arr = np.from_dlpack(x)
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{what}: cannot read {type(x).__name__} as host memory")
+    return arr
+
+
+def host_slots(slots: Any, gpu: Any) -> Any:
+    """Slots for the host path: a DeviceArray (in a host-memory backend) as a numpy view;
+    anything else as given (numpy, sequences, SequenceTable exports through `__array__`)."""
+    if isinstance(slots, DeviceArray):
+        if not callable(getattr(gpu, "view", None)):
+            raise TypeError(f"device slots on {type(gpu).__name__} need device k/v or out_k/out_v (the device path)")
+        return host_view(slots, "slots", gpu)
+    return slots
+
+
+def _rows(x: DeviceArray, what: str, heads: int, head_dim: int, tokens: int | None) -> DeviceArray:
+    if x.dtype.name not in ("float32", "bfloat16"):
+        raise TypeError(f"{what} must be float32 or bfloat16, got dtype {x.dtype.name}")
+    if len(x.shape) != 3 or x.shape[1:] != (heads, head_dim) or (tokens is not None and x.shape[0] != tokens):
+        want = f"[{tokens if tokens is not None else 'num_tokens'}, {heads}, {head_dim}]"
+        raise ValueError(f"{what} must be shaped {want} for this layer, got {x.shape}")
+    return x
+
+
+def _slot_array(slots: Any, gpu: Any, stream: int) -> DeviceArray:
+    arr = device_array(slots, "slots", gpu, stream)
+    if arr.dtype.name != "int64" or len(arr.shape) != 1:
+        raise TypeError(f"device slots must be a 1-D int64 array, got {arr.dtype.name} of shape {arr.shape}")
+    return arr
+
+
+def write_tokens(pools, layer: int, geometry, slots, k, v, gpu, stream: int, k_scale: float, v_scale: float,
+                 nonfinite: int = 0) -> None:
+    """Enqueue the device write of `k`/`v` rows into `layer`'s `slots` (see the module
+    docstring); `geometry` is (heads, head_dim, K format, V format) of the layer, `nonfinite`
+    the device address of the uint64 NaN/inf counter (0: none)."""
+    heads, head_dim, k_fmt, v_fmt = geometry
+    config = pools.config()
+    aliased = config.v_aliases_k
+    slot_arr = _slot_array(slots, gpu, stream)
+    k_arr = _rows(device_array(k, "k", gpu, stream), "k", heads, head_dim, slot_arr.shape[0])
+    k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
+                        k_arr.dtype.name == "bfloat16", k_scale)
+    if aliased and v is None:
+        v_side, v_arr = KvSideArgs(None, 0, 0, 0, 0), None
+    else:
+        v_arr = _rows(device_array(v, "v", gpu, stream), "v", heads, head_dim, slot_arr.shape[0])
+        v_side = KvSideArgs(None if aliased else v_fmt, int(pools.v_pool(layer)), pools.v_stride(layer),
+                            v_arr.ptr, v_arr.row_stride, v_arr.dtype.name == "bfloat16", v_scale)
+    limit = pools.num_blocks() * config.block_size
+    gpu.kv_write_rows(slot_arr.ptr, slot_arr.shape[0], heads, head_dim, config.block_size, limit,
+                      k_side, v_side, stream, nonfinite)
+
+
+def read_tokens(pools, layer: int, geometry, slots, gpu, stream: int, unrotate: bool, k_scale: float,
+                v_scale: float, out_k, out_v) -> tuple[Any, Any]:
+    """Enqueue the device decode of `layer`'s `slots` into `out_k`/`out_v` ([num_slots, heads,
+    head_dim] float32 or BF16 device arrays); returns (out_k, out_v). `geometry` as for
+    `write_tokens`."""
+    heads, head_dim, k_fmt, v_fmt = geometry
+    config = pools.config()
+    slot_arr = _slot_array(slots, gpu, stream)
+    tokens = slot_arr.shape[0]
+    k_arr = _rows(device_array(out_k, "out_k", gpu, stream), "out_k", heads, head_dim, tokens)
+    v_arr = _rows(device_array(out_v, "out_v", gpu, stream), "out_v", heads, head_dim, tokens)
+    v_pool, v_stride = (pools.k_pool(layer), pools.k_stride(layer)) if config.v_aliases_k else (
+        pools.v_pool(layer), pools.v_stride(layer))
+    k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
+                        k_arr.dtype.name == "bfloat16", k_scale, unrotate)
+    v_side = KvSideArgs(k_fmt if config.v_aliases_k else v_fmt, int(v_pool), v_stride, v_arr.ptr, v_arr.row_stride,
+                        v_arr.dtype.name == "bfloat16", k_scale if config.v_aliases_k else v_scale, unrotate)
+    limit = pools.num_blocks() * config.block_size
+    gpu.kv_read_rows(slot_arr.ptr, tokens, heads, head_dim, config.block_size, limit, k_side, v_side, stream)
+    return out_k, out_v
+
+
+class NonfiniteCounter:
+    """The device uint64 a cache's device writes add their NaN/inf input count to (on a
+    backend with the KV row kernels; HostBackend refuses such inputs instead)."""
+
+    def __init__(self, gpu: Any):
+        """Allocate the counter on `gpu`, zeroed (freed again if zeroing fails)."""
+        self.ptr = gpu.alloc(8)
+        try:
+            gpu.copy_h2d(np.zeros(1, np.uint64), self.ptr)
+        except BaseException:
+            gpu.free(self.ptr)
+            raise
+
+    def take(self, gpu: Any, stream: int) -> int:
+        """The count after the work enqueued on `stream` so far, and reset to 0 (one call:
+        waits for `stream`, reads, zeroes)."""
+        gpu.synchronize(stream)
+        count = np.zeros(1, np.uint64)
+        gpu.copy_d2h(self.ptr, count)
+        gpu.copy_h2d(np.zeros(1, np.uint64), self.ptr)
+        return int(count[0])
+
+    def free(self, gpu: Any) -> None:
+        """Free the counter."""
+        gpu.free(self.ptr)

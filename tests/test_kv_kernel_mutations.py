@@ -1,0 +1,54 @@
+"""Planted bugs in the KV row kernels (nvrtc_src/kv_rows.cu) each fail the byte-exact KV
+check over the stub: the generic ones of kernel_harness.mutations (a CTA or thread 0 that
+does nothing, a missing __syncthreads) and codec ones (E4M3 rounding ties down instead of
+to even, a butterfly with its difference reversed, BF16 rounding truncating, -1 slots
+not skipped) and read-only ones (the nvfp4 sign flipped in the decode, -1 rows -0.0). Only the code the harness executes is mutated; NVRTC compiles the real source.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kernel_harness.build import HARNESS_ENV
+from kernel_harness.kv_checks import kv_case_body
+from kernel_harness.mutations import mutate
+from kernel_harness.stub import build_harness, run_on_stub_unchecked, with_libraries
+
+SOURCE = "kv_rows.cu"
+CASE = "all_formats_hd128_bs16_f32"
+
+CODEC_BUGS = {
+    "e4m3_ties_down": ("(t + 0x7FFFFu + ((t >> 20) & 1u)) >> 20", "(t + 0x7FFFFu) >> 20"),
+    "butterfly_reversed": ("buf[i + h] = a - b;", "buf[i + h] = b - a;"),
+    "bf16_truncates": ("return (t + 0x7FFFu + ((t >> 16) & 1u)) >> 16;", "return t >> 16;"),
+    "read_nvfp4_sign_flipped": ("out[i] = (codes[i] & 8u ? -m : m) * d;", "out[i] = (codes[i] & 8u ? m : -m) * d;"),
+    "read_skip_row_not_zeroed": ("store_value(out, bf16, row + i, 0.0f);", "store_value(out, bf16, row + i, -0.0f);"),
+    "skip_slot_ignored": ("if (fmt < 0 || slot < 0 || slot >= limit) continue;", "if (fmt < 0 || slot >= limit) continue;"),
+}
+KINDS = ["cta_does_nothing", "thread0_does_nothing", "missing_syncthreads", *CODEC_BUGS]
+
+
+def _planted(text: str, kind: str) -> str:
+    if kind in CODEC_BUGS:
+        old, new = CODEC_BUGS[kind]
+        assert text.count(old) == 1, f"{kind}: {old!r} must occur once in {SOURCE}"
+        return text.replace(old, new)
+    return mutate(text, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_planted_kv_bug_fails_the_kv_check(stub_env, tmp_path, kind):
+    from pagedkv.driver import nvrtc
+
+    src = tmp_path / "src" / SOURCE
+    src.parent.mkdir()
+    src.write_text(_planted((nvrtc.SOURCE_DIR / SOURCE).read_text(), kind))
+    (mutant,) = build_harness([src], tmp_path / "libs")
+    libs = [p for p in stub_env[HARNESS_ENV].split(os.pathsep) if Path(p).name != mutant.name]
+    env = with_libraries(stub_env, [*libs, mutant])
+    proc = run_on_stub_unchecked(env, kv_case_body(CASE, orders=("ascending",)), timeout=300)
+    assert proc.returncode != 0 and "CHECK kv ok" not in proc.stdout, f"{kind} went unnoticed:\n{proc.stdout}"
+    assert "AssertionError" in proc.stderr or "CudaError" in proc.stderr, proc.stderr[-2000:]
