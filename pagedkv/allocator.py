@@ -171,6 +171,11 @@ class BlockAllocator:
         taken = free[-n:]
         del free[-n:]
         taken.reverse()
+        return self._hand_out(taken, reclaimer)
+
+    def _hand_out(self, taken: list[int], reclaimer: BlockReclaimer | None) -> list[int]:
+        """Give each block just taken off the free list count 1 (traced), then let the
+        reclaimer, when one evicted for this call, deliver its events; returns `taken`."""
         refs = self._refs
         for block in taken:
             refs[block] = 1

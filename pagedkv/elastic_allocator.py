@@ -208,15 +208,7 @@ class ElasticBlockAllocator(BlockAllocator):
             if n > len(free):
                 reclaimer = self._make_free(n)
             taken = free.take(n)
-        refs = self._refs
-        for block in taken:
-            refs[block] = 1
-        if self._tracer is not None:
-            for block in taken:
-                self._tracer.record(block, "alloc", 1)
-        if reclaimer is not None:
-            self._deliver(reclaimer, taken)
-        return taken
+        return self._hand_out(taken, reclaimer)
 
     def dec_ref(self, block: int) -> bool:
         """See BlockAllocator.dec_ref; a freed block goes back to its step's bucket."""

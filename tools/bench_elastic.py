@@ -15,19 +15,13 @@ from __future__ import annotations
 import time
 
 from floors import ceiling
+from timing import best_of
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 
 ALLOC_CEILING = 1.2
 """An elastic cache's alloc path with nothing to map may cost at most this times the non-elastic one."""
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _backend(gpu_flag: bool):
@@ -52,8 +46,8 @@ def _map_unmap(gpu, chunks: int, repeats: int) -> None:
 
     t_map = t_unmap = float("inf")
     for _ in range(repeats):
-        t_map = min(t_map, _best(map_all, 1))
-        t_unmap = min(t_unmap, _best(unmap_all, 1))
+        t_map = min(t_map, best_of(map_all, 1))
+        t_unmap = min(t_unmap, best_of(unmap_all, 1))
     gpu.release_address(base)
     ptrs: list = []
     t_alloc = t_free = float("inf")
@@ -99,10 +93,10 @@ def _alloc_path(gpu, pairs: int, batches: int, repeats: int) -> None:
 
     t = {name: float("inf") for name in ("pp", "pe", "bp", "be")}
     for _ in range(repeats):  # interleaved, so both sides see the same machine
-        t["pp"] = min(t["pp"], _best(pair(plain), 1))
-        t["pe"] = min(t["pe"], _best(pair(elastic), 1))
-        t["bp"] = min(t["bp"], _best(batch(plain), 1))
-        t["be"] = min(t["be"], _best(batch(elastic), 1))
+        t["pp"] = min(t["pp"], best_of(pair(plain), 1))
+        t["pe"] = min(t["pe"], best_of(pair(elastic), 1))
+        t["bp"] = min(t["bp"], best_of(batch(plain), 1))
+        t["be"] = min(t["be"], best_of(batch(elastic), 1))
     print(
         f"  alloc_block+free_block  non-elastic {t['pp'] / pairs * 1e9:6.0f} ns   elastic {t['pe'] / pairs * 1e9:6.0f} ns per pair\n"
         f"  alloc_blocks(64)+free   non-elastic {t['bp'] / batches / 64 * 1e9:6.0f} ns   elastic {t['be'] / batches / 64 * 1e9:6.0f} ns per block"

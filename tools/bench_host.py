@@ -10,9 +10,9 @@ measured beside its baseline in one run (best of several repeats) and printed as
 
 from __future__ import annotations
 
-import time
 
 from floors import ceiling, floor
+from timing import best_of
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 
 PAIR_CEILING = 4.0
@@ -21,14 +21,6 @@ BATCH_FLOOR = 5.0
 """alloc_blocks(64)+free_blocks must be at least this many times cheaper per block than single calls."""
 
 
-def _best(fn, repeats: int) -> float:
-    """Best wall time of `repeats` calls of `fn` (seconds)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _cache(num_blocks: int, block_size: int = 16) -> PagedKvCache:
@@ -57,7 +49,7 @@ def _pair(pairs: int, repeats: int) -> None:
         for _ in range(pairs):
             free(alloc())
 
-    t_ours, t_bare, t_calls = _best(ours, repeats), _best(bare, repeats), _best(calls_only, repeats)
+    t_ours, t_bare, t_calls = best_of(ours, repeats), best_of(bare, repeats), best_of(calls_only, repeats)
     cache.check_invariants()
     ns_ours, ns_bare, ns_calls = (t / pairs * 1e9 for t in (t_ours, t_bare, t_calls))
     print(
@@ -99,7 +91,7 @@ def _batch(rounds: int, repeats: int) -> None:
             for block in reversed(blocks):
                 free(block)
 
-    t_batch, t_single = _best(batched, repeats), _best(single, repeats)
+    t_batch, t_single = best_of(batched, repeats), best_of(single, repeats)
     cache.check_invariants()
     us_batch, us_single = t_batch / (rounds * n) * 1e6, t_single / (rounds * n) * 1e6
     print(
@@ -132,8 +124,8 @@ def _match(calls: int, repeats: int) -> None:
 
     t_match = t_free = float("inf")
     for _ in range(repeats):
-        t_match = min(t_match, _best(match_only, 1))
-        t_free = min(t_free, _best(free_matched, 1))
+        t_match = min(t_match, best_of(match_only, 1))
+        t_free = min(t_free, best_of(free_matched, 1))
 
     tree = {}
     node = tree
@@ -148,7 +140,7 @@ def _match(calls: int, repeats: int) -> None:
             for start in range(0, prompt_len, block_size):
                 node = node[tuple(prompt[start : start + block_size])]
 
-    t_bare = _best(bare_walk, repeats)
+    t_bare = best_of(bare_walk, repeats)
     prefix.check_invariants()
     cache.check_invariants(prefix.block_references())
     us_call, us_free, us_bare = t_match / calls * 1e6, t_free / calls * 1e6, t_bare / calls * 1e6
@@ -175,7 +167,7 @@ def _decode(steps: int, repeats: int) -> None:
             for seq in seq_ids:
                 append(seq)
 
-    t_step = _best(step_loop, repeats)
+    t_step = best_of(step_loop, repeats)
     new_blocks = before - cache.num_free_blocks()
     table.check_invariants()
     us_step = t_step / steps * 1e6
