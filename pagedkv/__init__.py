@@ -8,6 +8,7 @@ derives from `PagedKvError`.
 from .allocator import BlockAllocator, BlockReclaimer
 from .backend import NULL, Bf16Stats, BlockRegions, DevicePtr, GpuBackend
 from .cache import POISON_BYTE, PagedKvCache
+from .capabilities import BackendFeatureMissing
 from .config import KvCacheConfig
 from .device_array import DeviceArray
 from .dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, SideFormat, accepted_names, side_bytes
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllBlocksCleared",
+    "BackendFeatureMissing",
     "Bf16Stats",
     "BlockAllocator",
     "BlockReclaimer",

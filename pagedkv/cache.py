@@ -211,11 +211,15 @@ class PagedKvCache:
     def shrink(self, gpu: GpuBackend) -> int:
         """Unmap and release, in every pool, the memory of whole steps at the tail that no
         block uses (count 0); returns the bytes given back (0 for a cache that is not
-        elastic). `gpu` must be the cache's backend (KvCacheError otherwise). A backend
-        error is raised after every pool was attempted, with what stayed mapped recorded."""
+        elastic), after every stream of `gpu` has finished its queued work. `gpu` must be
+        the cache's backend (KvCacheError otherwise). A backend error is raised after every
+        pool was attempted, with what stayed mapped recorded. A host array or DLPack export
+        taken of an elastic pool before the shrink must not be used after it (on a GPU its
+        unmapped part faults; a HostBackend export does not see the unmap)."""
         self._pools.check_backend(gpu)
         if not self._elastic or self._allocator.released():
             return 0
+        gpu.synchronize_all()  # queued work may still touch the tail about to be unmapped
         before = self.mapped_bytes()
         try:
             self._allocator.shrink()

@@ -17,6 +17,8 @@ MAX_LAYERS = 2**12
 """The most layers a cache may have."""
 MAX_BLOCKS_PER_SEQ = 2**31
 """The largest sliding window, in blocks."""
+MAX_NUM_BLOCKS = 2**31 - 1
+"""The most blocks a cache may have: block indices are int32 in the kernels and the tables."""
 
 _BOUNDS = {
     "block_size": MAX_BLOCK_SIZE,

@@ -255,7 +255,9 @@ class HostBackend:
 
     def reserve_address(self, nbytes: int) -> DevicePtr:
         """Reserve `nbytes` (a positive multiple of `vmm_granularity()`) of address space with
-        nothing mapped: every access raises until `map_chunk` backs it. Costs no capacity."""
+        nothing mapped: every access raises until `map_chunk` backs it. Costs no capacity
+        (a ceiling may exceed the device); DeviceOutOfMemory, nothing reserved, when the host
+        cannot give the lazily zeroed array that emulates the range."""
         granularity = self._vmm.granularity
         base = -(-self._next_address // granularity) * granularity
         self._vmm.reserve(base, nbytes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import DevicePtr
-from .errors import DeviceMemoryError
+from .errors import DeviceMemoryError, DeviceOutOfMemory
 from .validate import as_int, positive_int
 
 
@@ -56,10 +56,13 @@ class HostAddressSpace:
             raise ValueError(
                 f"reservation size {nbytes} is not a multiple of the {self.granularity}-byte granularity"
             )
-        res = Reservation(
-            base, nbytes, self.granularity, np.zeros(nbytes, dtype=np.uint8),
-            np.zeros(nbytes // self.granularity, dtype=bool),
-        )
+        try:
+            memory = np.zeros(nbytes, dtype=np.uint8)  # lazily zeroed: costs nothing until touched
+        except (MemoryError, ValueError):
+            raise DeviceOutOfMemory(
+                f"cannot reserve {nbytes} bytes of address space: the host cannot back a range that large"
+            ) from None
+        res = Reservation(base, nbytes, self.granularity, memory, np.zeros(nbytes // self.granularity, dtype=bool))
         self._reservations[base] = res
         bisect.insort(self._bases, base)
         return res

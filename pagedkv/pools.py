@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .backend import BlockRegions, DevicePtr, GpuBackend
 from .capabilities import require
-from .config import KvCacheConfig
+from .config import MAX_NUM_BLOCKS, KvCacheConfig
 from .errors import KvCacheError
 from .log import get_logger
 from .validate import block_index, positive_int
@@ -31,6 +31,10 @@ class KvPools:
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
         num_blocks = positive_int(num_blocks, "num_blocks")
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(
+                f"num_blocks is {num_blocks}, more than {MAX_NUM_BLOCKS} (block indices are int32)"
+            )
         if gpu is None or not isinstance(gpu, GpuBackend):
             raise TypeError(f"gpu must be a GpuBackend (HostBackend, CudaBackend), got {type(gpu).__name__} {gpu!r:.60}")
         self._config = config

@@ -67,6 +67,7 @@ class Exported(NamedTuple):
     __dlpack_device__ = export_dlpack_device
 
     def __array__(self, dtype=None, copy=None):
+        """The host array (numpy's conversion protocol); a page-table export raises TypeError."""
         if isinstance(self.host, PageTable):
             raise TypeError(
                 "a page-table export holds three arrays: take np.asarray(export.indptr), "
@@ -650,9 +651,11 @@ class SequenceTable:
         ptr = self._gpu.alloc(size)
         self._buffers[kind] = (ptr, size)  # recorded before the old one is freed
         if current is not None:
-            self._stale.append(current[0])
-            self._gpu.free(current[0])  # on failure it stays in _stale for `release`
-            self._stale.remove(current[0])
+            try:
+                self._gpu.free(current[0])
+            except Exception as err:  # noqa: BLE001 - the export goes on; release retries the free
+                self._stale.append(current[0])
+                _log.error("sequence_table_buffer_free_failed", error=str(err))
         return ptr
 
     # -- release -----------------------------------------------------------------------
@@ -670,6 +673,11 @@ class SequenceTable:
         pending = [ptr for ptr, _ in self._buffers.values()] + self._stale
         if not pending:
             return
+        if gpu is not None and self._gpu is not None and gpu is not self._gpu:
+            raise KvCacheError(
+                f"release with {type(gpu).__name__} {gpu!r:.60}, but the table's export buffers are on "
+                f"{type(self._gpu).__name__} {self._gpu!r:.60}"
+            )
         backend = self._gpu or gpu
         if backend is None:
             raise ValueError(f"release needs the backend that holds the table's {len(pending)} export buffer(s)")

@@ -118,6 +118,7 @@ class _MemoryExport(DlpackProducer):
     def _host_copy(self) -> tuple[np.ndarray, str]:
         layout, base = self._layout(), self._address()
         raw = np.empty(self._extent(), dtype=np.uint8)
+        self._gpu.synchronize(self._stream)  # the copy must see the producing stream's work
         self._gpu.copy_d2h(base, raw)
         return np.array(_strided(raw, layout, writeable=False)), layout.dtype
 

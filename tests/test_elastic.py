@@ -452,3 +452,14 @@ def test_elastic_bench_section_prints_every_figure(capsys):
         "(112.0 MiB by mem_info; the burst mapped 112.0 MiB)",
     ):
         assert line in out, line
+
+
+def test_a_reservation_the_host_cannot_back_is_out_of_memory_and_reserves_nothing():
+    gpu = HostBackend(capacity_bytes=1 << 24, vmm_granularity=G)
+    for nbytes in (2**50, 2**62):  # address space no host can give one array
+        with pytest.raises(DeviceOutOfMemory, match=f"cannot reserve {nbytes} bytes of address space"):
+            gpu.reserve_address(nbytes)
+    wide = KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=512, num_layers=1, dtype="bf16")  # 128 KiB blocks
+    with pytest.raises(DeviceOutOfMemory, match="cannot reserve"):  # 256 TiB: past any x86-64 address space
+        PagedKvCache(wide, 2**31 - 1, gpu, elastic=True)
+    assert gpu.live_allocations() == 0 and gpu.live_bytes() == 0

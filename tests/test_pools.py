@@ -139,3 +139,12 @@ def test_release_waits_for_every_stream_before_the_first_free():
     assert gpu.calls == ["synchronize_all"] + ["free"] * 4
     pools.release(gpu)  # nothing left: no wait, no free
     assert gpu.calls == ["synchronize_all"] + ["free"] * 4
+
+
+def test_num_blocks_past_the_int32_bound_is_refused_before_any_allocation():
+    gpu = HostBackend(capacity_bytes=1 << 20)
+    for n in (2**31, 2**40, 2**63):
+        for elastic in (False, True):
+            with pytest.raises(ValueError, match=f"num_blocks is {n}, more than 2147483647 .block indices are int32."):
+                KvPools(config(), n, gpu, elastic=elastic)
+    assert gpu.live_allocations() == 0 and gpu.live_bytes() == 0

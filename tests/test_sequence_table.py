@@ -14,6 +14,7 @@ from pagedkv import (
     DeviceMemoryError,
     HostBackend,
     KvCacheConfig,
+    KvCacheError,
     KvCacheExhausted,
     PagedKvCache,
     PageTable,
@@ -364,14 +365,13 @@ def test_a_failed_free_of_an_export_buffer_loses_nothing():
     assert gpu.live_allocations() == base + 1
     table.add("big", list(range(600)))
     gpu.fail = 1
-    with pytest.raises(DeviceMemoryError, match="injected free failure"):
-        table.slot_mapping(["big"])  # grows: the new buffer is recorded, the old one kept for release
-    assert gpu.live_allocations() == base + 2
-    grown = table.slot_mapping(["big"])  # the recorded buffer is reused: nothing new allocated
+    grown = table.slot_mapping(["big"])  # grows; the old buffer's failed free is logged and kept for release
     assert gpu.live_allocations() == base + 2
     back = np.empty_like(grown.host)
     gpu.copy_d2h(grown.device, back)
     assert back.tolist() == grown.host.tolist()
+    again = table.slot_mapping(["big"])  # the new buffer is reused: nothing new allocated
+    assert gpu.live_allocations() == base + 2 and int(again.device) == int(grown.device)
     table.block_table(["a"])
     gpu.fail = 1
     with pytest.raises(DeviceMemoryError, match="injected free failure"):
@@ -381,6 +381,20 @@ def test_a_failed_free_of_an_export_buffer_loses_nothing():
     assert gpu.live_allocations() == base
     table.release()
     assert gpu.live_allocations() == base
+
+
+def test_release_with_another_backend_is_refused_and_forgets_nothing():
+    gpu, other = HostBackend(capacity_bytes=1 << 30), HostBackend(capacity_bytes=1 << 20)
+    cache = make_cache(gpu)
+    table = SequenceTable(cache, gpu=gpu)
+    table.add("a", [1])
+    table.block_table(["a"])
+    live = gpu.live_allocations()
+    with pytest.raises(KvCacheError, match="release with HostBackend .* but the table's export buffers are on HostBackend"):
+        table.release(other)
+    assert gpu.live_allocations() == live
+    table.release(gpu)
+    assert gpu.live_allocations() == live - 1
 
 
 def test_release_without_a_backend_forgets_nothing(gpu):

@@ -325,3 +325,29 @@ def test_cuda_views_capsules_cai_and_stream_waits_over_the_stub(stub_env):
             gpu.destroy_stream(ours)
             cache.release(gpu)
     ''')
+
+
+def test_a_host_copy_export_waits_for_the_producing_stream_over_the_stub(stub_env):
+    """dl_device=cpu from a CUDA view copies to the host only after the view's producing
+    stream (here another library's non-blocking stream) has run what was queued on it."""
+    run_on_stub(stub_env, '''
+        from cuda.bindings import driver as drv
+        from pagedkv import KvCacheConfig, PagedKvCache
+        from pagedkv.driver import CudaBackend
+
+        class EngineStream:
+            def __init__(self, handle): self.handle = handle
+            def __cuda_stream__(self): return (0, self.handle)
+
+        with CudaBackend() as gpu:
+            config = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=16, num_layers=1, dtype="nvfp4")
+            cache = PagedKvCache(config, num_blocks=4, gpu=gpu)
+            cache.alloc_blocks(4)
+            theirs = drv.cuStreamCreate(1)[1]  # CU_STREAM_NON_BLOCKING: no implicit legacy sync
+            gpu.synchronize(0)
+            cache.fill_blocks([1], 7, gpu, EngineStream(int(theirs)))  # queued, not yet run
+            copied = np.from_dlpack(cache.k_view(0, gpu, stream=EngineStream(int(theirs))), device="cpu")
+            assert copied[1].tolist() == [7] * copied.shape[1], copied[1][:8].tolist()
+            assert drv.cuStreamDestroy(theirs)[0] == 0
+            cache.release(gpu)
+    ''')

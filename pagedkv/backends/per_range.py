@@ -39,6 +39,8 @@ class PerRangeBlockOps:
     `self.mem_range_ok(ptr, nbytes)` (True when the range lies inside one allocation)."""
 
     def mem_range_ok(self, ptr: DevicePtr, nbytes: int) -> bool:  # pragma: no cover - the backend's
+        """True when `[ptr, ptr + nbytes)` lies inside one live allocation of the backend
+        (the backend using this mixin provides it)."""
         raise NotImplementedError
 
     def create_block_regions(self, rows: Sequence[tuple[int, int, int]]) -> BlockRegions:
