@@ -21,7 +21,7 @@ from .elastic_allocator import ElasticBlockAllocator
 from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
 from .config import KvCacheConfig
 from .env import flags
-from .errors import KvCacheError, KvCacheExhausted
+from .errors import KvCacheExhausted
 from .log import get_logger
 from .pools import KvPools
 from .validate import non_negative_int, positive_int

@@ -9,7 +9,7 @@ from pagedkv.testing import RULES
 
 
 def test_cuda_backend_passes_the_conformance_suite_over_the_stub(stub_env):
-    out = run_on_stub(stub_env, f'''
+    out = run_on_stub(stub_env, '''
         STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
         from pagedkv.driver import CudaBackend
         from pagedkv.testing import backend_conformance

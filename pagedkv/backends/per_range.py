@@ -16,8 +16,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backend import Bf16Stats, BlockRegions, DevicePtr, as_block_array, check_copy_pairs, check_fill_byte
-from ..validate import index_in_range
+from ..backend import (
+    Bf16Stats,
+    BlockRegions,
+    DevicePtr,
+    as_block_array,
+    check_bf16_row,
+    check_copy_pairs,
+    check_fill_byte,
+)
 
 
 def bf16_to_float64(raw: np.ndarray) -> np.ndarray:
@@ -86,10 +93,7 @@ class PerRangeBlockOps:
 
     def reduce_bf16_blocks(self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: Any) -> Bf16Stats:
         """Each block copied to the host after `synchronize(stream)`, summed exactly."""
-        region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
-        nbytes = int(regions.nbytes[region])
-        if nbytes % 2:
-            raise ValueError(f"region {region} has an odd block size {nbytes}: not BF16")
+        region, _, _, nbytes = check_bf16_row(regions, region)
         idx = as_block_array(blocks)
         self.synchronize(stream)
         if idx.size == 0:

@@ -24,6 +24,7 @@ from ..backend import (
     DevicePtr,
     as_block_array,
     check_alloc_size,
+    check_bf16_row,
     check_byte_count,
     check_copy_pairs,
     check_fill_byte,
@@ -32,7 +33,7 @@ from ..backend import (
 from ..capabilities import check_capability_name
 from ..errors import DeviceMemoryError, DeviceOutOfMemory
 from ..streams import stream_handle
-from ..validate import index_in_range, positive_int
+from ..validate import positive_int
 
 ALIGNMENT = 256
 """Every allocation starts on a multiple of this many bytes."""
@@ -224,10 +225,7 @@ class TorchArenaBackend:
     def reduce_bf16_blocks(self, regions: BlockRegions, region: int, blocks: Sequence[int], stream: int) -> Bf16Stats:
         """(sum, sum of squares, sum of |x|) of the BF16 values of the listed blocks of row
         `region`, each exact then rounded once (math.fsum over the float64 widening)."""
-        region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
-        nbytes = int(regions.nbytes[region])
-        if nbytes % 2:
-            raise ValueError(f"region {region} has an odd block size {nbytes}: not BF16")
+        region, _, _, nbytes = check_bf16_row(regions, region)
         idx = as_block_array(blocks)
         self.synchronize(stream)
         if idx.size == 0:
