@@ -244,11 +244,12 @@ def test_modules_keep_their_cubin_alive(stub_env):
     ''')
 
 
-def test_gpu_bench_counts_copy_traffic_as_read_plus_write(stub_env):
+def test_gpu_bench_counts_copy_traffic_as_read_plus_write():
     """The copy ceiling used to count 1 GiB for the 2 GiB a 1 GiB copy moves, so the fill
-    and checksum floors passed at about 35% of bandwidth. Over the stub (figures are host
-    memcpy's, not judged): the ceiling and the copy count read + write, and each kernel has
-    its floor against the measured bandwidth (fill 0.8, copy and checksum 0.75)."""
+    and checksum floors passed at about 35% of bandwidth. Now the ceiling and the copy count
+    read + write, and each kernel has its floor against the measured bandwidth (fill 0.8,
+    copy and checksum 0.75); the lines that print them are checked by test_driver_stub's
+    one run of the bench over the stub."""
     import sys
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -259,31 +260,7 @@ def test_gpu_bench_counts_copy_traffic_as_read_plus_write(stub_env):
     assert bench_gpu.copy_traffic(1 << 30) == 2 << 30
     assert bench_gpu.FLOORS_OF_BANDWIDTH == {"fill": 0.80, "copy": 0.75, "checksum": 0.75}
     assert bench_gpu.FILL_RATIO_FLOOR == 50.0 and bench_gpu.FILL_BLOCKS == 256
-    out = run_on_stub(stub_env, '''
-        STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
-        import argparse
-        import pagedkv.driver
-        pagedkv.driver.is_available = lambda: True
-        sys.path.insert(0, %r)
-        import bench_gpu
-        bench_gpu.GIB, bench_gpu.FILL_BLOCKS, bench_gpu.COPY_PAIRS = 32 << 20, 4, 4
-        try:
-            bench_gpu.run(argparse.Namespace(quick=True))
-        except SystemExit as stop:
-            assert stop.code == 1
-    ''' % str(REPO_ROOT / "tools"))
-    assert "DRAM (read + write: 0.0625 GiB moved)" in out
-    assert "GB/s DRAM (read + write)" in out
-    for line in (
-        "floor   batched fill vs per-layer memset loop at 4 blocks:",
-        "needs >= 50x",
-        "floor   fill vs measured DRAM bandwidth:",
-        "needs >= 0.8x",
-        "floor   copy vs measured DRAM bandwidth:",
-        "floor   checksum vs measured DRAM bandwidth:",
-        "needs >= 0.75x",
-    ):
-        assert line in out, (line, out)
+
 
 
 def test_reduction_traps_when_launched_with_another_block_size(stub_env):

@@ -498,6 +498,18 @@ def test_gpu_benchmark_runs_over_the_stub(stub_env):
         "read_block into pinned (copy_d2h)",
     ):
         assert line in out, line
+    assert "DRAM (read + write: 0.0625 GiB moved)" in out
+    assert "GB/s DRAM (read + write)" in out
+    for line in (
+        "floor   batched fill vs per-layer memset loop at 4 blocks:",
+        "needs >= 50x",
+        "floor   fill vs measured DRAM bandwidth:",
+        "needs >= 0.8x",
+        "floor   copy vs measured DRAM bandwidth:",
+        "floor   checksum vs measured DRAM bandwidth:",
+        "needs >= 0.75x",
+    ):
+        assert line in out, (line, out)
 
 
 def test_demo_and_plan_choose_the_cuda_backend_over_the_stub(stub_env):
