@@ -367,3 +367,19 @@ def test_a_send_to_a_peer_that_is_gone_fails(local):
             transfer.send(name, held[:2], dst).wait(WAIT)
         assert not isinstance(caught.value, TransferTimeout)
         assert "peer 'gone'" in str(caught.value)
+
+
+@needs_nixl
+def test_the_transfer_bench_runs_at_smoke_size(monkeypatch, capsys):
+    import argparse
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+    import bench_transfer
+
+    bench_transfer.run(argparse.Namespace(gpu=False, quick=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "  backend: HostBackend (DRAM); 32 blocks x 8 layers, 16 MiB a transfer"
+    assert [line.split()[:2] for line in lines[1:]] == [["NIXL", "contiguous"], ["NIXL", "scattered"],
+                                                        ["backend", "copy_d2d"]]
+    assert "(16 descriptors," in lines[1] and "(256 descriptors," in lines[2]
