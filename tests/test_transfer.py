@@ -383,3 +383,16 @@ def test_the_transfer_bench_runs_at_smoke_size(monkeypatch, capsys):
     assert [line.split()[:2] for line in lines[1:]] == [["NIXL", "contiguous"], ["NIXL", "scattered"],
                                                         ["backend", "copy_d2d"]]
     assert "(16 descriptors," in lines[1] and "(256 descriptors," in lines[2]
+
+
+@needs_nixl
+def test_the_readme_transfer_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "KvTransfer" in block]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["sender"].closed() and namespace["receiver"].closed()
+    assert namespace["gpu_p"].live_allocations() == 0 and namespace["gpu_d"].live_allocations() == 0
