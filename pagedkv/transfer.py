@@ -196,15 +196,23 @@ class TransferHandle:
         self.nbytes = nbytes
         """How many bytes this transfer writes (every layer, both sides)."""
         self._state = "PROC"
+        self._reason = "NIXL state ERR"
 
     def done(self) -> bool:
         """True once every byte is written at the peer; TransferError if the transfer failed."""
         if self._state == "PROC":
-            self._state = self._owner._poll(self._request)
+            try:
+                self._state = self._owner._poll(self._request)
+            except TransferError:
+                raise
+            except Exception as err:  # noqa: BLE001 - NIXL raises its own classes for a lost peer
+                self._state, self._reason = "ERR", f"{type(err).__name__}: {err}"
             if self._state != "PROC":
                 self._finish()
         if self._state == "ERR":
-            raise TransferError(f"transfer of {self.blocks} blocks ({self.nbytes} bytes) to peer {self.peer!r} failed")
+            raise TransferError(
+                f"transfer of {self.blocks} blocks ({self.nbytes} bytes) to peer {self.peer!r} failed: {self._reason}"
+            )
         return self._state == "DONE"
 
     def wait(self, timeout: float | None = None) -> None:
@@ -344,16 +352,30 @@ class KvTransfer:
                 f"peer {name!r} has another cache layout (fingerprint {fingerprint(info['layout'])}, "
                 f"here {self.fingerprint()}): " + "; ".join(diffs)
             )
-        loaded = self._agent.add_remote_agent(nixl_md)
+        pools = self._peer_pools(name, info)
+        try:
+            loaded = self._agent.add_remote_agent(nixl_md)
+        except Exception as err:
+            raise TransferError(f"loading peer {name!r} failed: {type(err).__name__}: {err}") from err
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
             self._agent.remove_remote_agent(loaded)
             raise ValueError(f"peer metadata names {name!r} but its NIXL part names {loaded!r}")
-        pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
         self._peers[name] = _Peer(name, int(info["num_blocks"]), str(info["mem_type"]),
                                   int(info["device_id"]), pools)
         _log.debug("kv_transfer_connected", name=self.name, peer=name, peer_blocks=info["num_blocks"])
         return name
+
+    def _peer_pools(self, name: str, info: dict) -> tuple:
+        """The peer's pools, which must be this side's (layer, side, stride) in order."""
+        try:
+            pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
+        mine = [(p.layer, p.side, p.stride) for p in self._pools]
+        if [(p.layer, p.side, p.stride) for p in pools] != mine:
+            raise ValueError(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
+        return pools
 
     @staticmethod
     def _parse_metadata(blob: object) -> tuple[dict, bytes]:
@@ -368,10 +390,12 @@ class KvTransfer:
             info = json.loads(blob[head + 8 : head + 8 + size])
         except ValueError as err:
             raise ValueError(f"peer_metadata has a broken layout description: {err}") from None
-        if not isinstance(info, dict) or info.get("layout", {}).get("layout_version") != LAYOUT_VERSION:
+        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list}
+        if not isinstance(info, dict) or any(not isinstance(info.get(k), t) for k, t in fields.items()):
+            raise ValueError(f"peer_metadata lacks one of {', '.join(fields)}")
+        if info["layout"].get("layout_version") != LAYOUT_VERSION:
             raise ValueError(
-                f"peer_metadata layout version {info.get('layout', {}).get('layout_version')!r} "
-                f"is not {LAYOUT_VERSION}"
+                f"peer_metadata layout version {info['layout'].get('layout_version')!r} is not {LAYOUT_VERSION}"
             )
         return info, blob[head + 8 + size :]
 
@@ -464,11 +488,7 @@ class KvTransfer:
 
     def _poll(self, request: Any) -> str:
         self._check_open()
-        try:
-            return self._agent.check_xfer_state(request)
-        except Exception as err:  # noqa: BLE001 - NIXL raises its own classes for a lost peer
-            _log.warning("kv_transfer_failed", name=self.name, error=f"{type(err).__name__}: {err}")
-            return "ERR"
+        return self._agent.check_xfer_state(request)
 
     def _release_request(self, request: Any) -> None:
         if self._requests.pop(id(request), None) is None:

@@ -4,6 +4,7 @@ timeout, a peer that is gone) with nothing sent. Skipped, with the reason, witho
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 from pagedkv.transfer import (
     INSTALL_HINT,
+    METADATA_MAGIC,
     KvTransfer,
     LayoutMismatch,
     NixlUnavailable,
@@ -244,6 +246,40 @@ def test_metadata_checks_and_close_is_idempotent(local):
     assert transfer.closed()
     with pytest.raises(TransferError, match="'prefill-a' is closed"):
         transfer.metadata()
+
+
+def edited(metadata: bytes, edit) -> bytes:
+    """`metadata` with its layout description passed through `edit(info) -> None`."""
+    head = len(METADATA_MAGIC)
+    size = int.from_bytes(metadata[head : head + 8], "little")
+    info = json.loads(metadata[head + 8 : head + 8 + size])
+    edit(info)
+    text = json.dumps(info).encode()
+    return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + metadata[head + 8 + size :]
+
+
+@needs_nixl
+def test_metadata_that_does_not_describe_its_pools_is_refused(local):
+    cache, gpu, _ = local
+    other_gpu = HostBackend(1 << 26)
+    other = PagedKvCache(KvCacheConfig(**MIXED), 4, other_gpu)
+    try:
+        with KvTransfer(cache, gpu, "here") as transfer, KvTransfer(other, other_gpu, "there") as peer:
+            md = peer.metadata()
+            with pytest.raises(ValueError, match="peer 'there' metadata lists 5 pools that do not match its layout"):
+                transfer.connect(edited(md, lambda info: info["pools"].pop()))
+            with pytest.raises(ValueError, match="peer_metadata lacks one of name, num_blocks"):
+                transfer.connect(edited(md, lambda info: info.pop("num_blocks")))
+            with pytest.raises(ValueError, match="layout version 2 is not 1"):
+                transfer.connect(edited(md, lambda info: info["layout"].update(layout_version=2)))
+            assert transfer.peers() == []
+            assert transfer.connect(md) == "there"
+            with pytest.raises(ValueError, match="peer 'there' is already connected"):
+                transfer.connect(md)
+            transfer.disconnect("there")
+            assert transfer.peers() == []
+    finally:
+        other.release(other_gpu)
 
 
 # -- two processes -------------------------------------------------------------------------
