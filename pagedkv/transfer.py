@@ -254,7 +254,12 @@ class KvTransfer:
         if not isinstance(name, str) or not name or "\x00" in name:
             raise ValueError(f"name must be a non-empty str without NUL, got {name!r}")
         pools = cache.pools()
-        pools.check_backend(gpu)
+        try:
+            pools.check_backend(gpu)
+        except KvCacheError:
+            raise KvCacheError(
+                f"KvTransfer with {type(gpu).__name__} {gpu!r:.60}: the cache was built on another backend"
+            ) from None
         if not pools.is_live():
             raise KvCacheError("KvTransfer over a released cache")
         if pools.elastic() is not None:

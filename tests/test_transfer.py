@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
+from pagedkv import HostBackend, KvCacheConfig, KvCacheError, PagedKvCache
 from pagedkv.transfer import (
     INSTALL_HINT,
     METADATA_MAGIC,
@@ -224,6 +224,12 @@ def test_refusals_before_any_agent_exists(local):
         KvTransfer("cache", gpu, "a")
     with pytest.raises(ValueError, match="name must be a non-empty str"):
         KvTransfer(cache, gpu, "")
+    with pytest.raises(KvCacheError, match="KvTransfer with HostBackend .*: the cache was built on another backend"):
+        KvTransfer(cache, HostBackend(1 << 20), "a")
+    released = PagedKvCache(KvCacheConfig(**MIXED), 2, gpu)
+    released.release(gpu)
+    with pytest.raises(KvCacheError, match="KvTransfer over a released cache"):
+        KvTransfer(released, gpu, "a")
     elastic_gpu = HostBackend(1 << 26, vmm_granularity=4096)
     elastic = PagedKvCache(KvCacheConfig(**MIXED), 8, elastic_gpu, elastic=True)
     with pytest.raises(ValueError, match=r"allocated whole \(elastic=False\)"):
