@@ -438,3 +438,21 @@ def test_the_readme_transfer_example_runs():
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["sender"].closed() and namespace["receiver"].closed()
     assert namespace["gpu_p"].live_allocations() == 0 and namespace["gpu_d"].live_allocations() == 0
+
+
+@needs_nixl
+def test_a_transfer_prints_nothing():
+    probe = (
+        "from pagedkv import HostBackend, KvCacheConfig, PagedKvCache\n"
+        "from pagedkv.transfer import KvTransfer\n"
+        "config = KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype='bf16')\n"
+        "ga, gb = HostBackend(1 << 20), HostBackend(1 << 20)\n"
+        "a, b = PagedKvCache(config, 2, ga), PagedKvCache(config, 2, gb)\n"
+        "with KvTransfer(a, ga, 'a') as ta, KvTransfer(b, gb, 'b') as tb:\n"
+        "    ta.send(ta.connect(tb.metadata()), a.alloc_blocks(1), b.alloc_blocks(1), b'n').wait(20)\n"
+        "    assert tb.wait_notifications(20) == [('a', b'n')]\n"
+        "a.release(ga); b.release(gb)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
