@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .cache import PagedKvCache
 from .capabilities import backend_supports, device_kind
 from .errors import KvCacheError, PagedKvError
 from .log import get_logger
@@ -243,12 +244,11 @@ class KvTransfer:
     registered: VRAM of `gpu.device_ordinal` on a "device:cuda" backend, DRAM on a
     "device:cpu" one (through `gpu.view` when it states "host_view", as HostBackend does:
     its pointers are not host addresses). Elastic caches are refused (their memory is mapped
-    later). Construction is all or nothing. Use one from one thread; `close()` (or a `with`
-    block) deregisters, and must come before the cache is released."""
+    later). `backends` are the NIXL backend plugins the agent creates (UCX by default).
+    Construction is all or nothing. Use one from one thread; `close()` (or a `with` block)
+    deregisters, and must come before the cache is released."""
 
-    def __init__(self, cache: Any, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
-        from .cache import PagedKvCache
-
+    def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if not isinstance(name, str) or not name or "\x00" in name:
