@@ -16,7 +16,6 @@ import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, KvCacheError, PagedKvCache
 from pagedkv.transfer import (
-    INSTALL_HINT,
     METADATA_MAGIC,
     KvTransfer,
     LayoutMismatch,
@@ -34,7 +33,7 @@ try:
     load_nixl()
     NIXL_REASON = None
 except NixlUnavailable as err:
-    NIXL_REASON = f"NIXL is not installed ({INSTALL_HINT}): {err}"
+    NIXL_REASON = f"NIXL is not installed: {err}"
 
 needs_nixl = pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or "")
 
