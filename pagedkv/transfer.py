@@ -187,7 +187,7 @@ class TransferHandle:
     """One `send` in flight. `wait(timeout)` blocks until its bytes are written at the peer;
     `done()` polls. Once complete (or failed) the NIXL request is released."""
 
-    def __init__(self, owner: "KvTransfer", request: Any, peer: str, blocks: int, nbytes: int):
+    def __init__(self, owner: "KvTransfer", request: Any, peer: str, blocks: int, nbytes: int, descriptors: int):
         self._owner = owner
         self._request = request
         self.peer = peer
@@ -196,6 +196,8 @@ class TransferHandle:
         """How many blocks this transfer writes."""
         self.nbytes = nbytes
         """How many bytes this transfer writes (every layer, both sides)."""
+        self.descriptors = descriptors
+        """How many NIXL descriptors the request has: one per pool per run of consecutive pairs."""
         self._state = "PROC"
         self._reason = "NIXL state ERR"
 
@@ -464,7 +466,7 @@ class KvTransfer:
         except Exception as err:
             self._release_request(request)
             raise TransferError(f"posting {len(src)} blocks to peer {info.name!r} failed: {type(err).__name__}: {err}") from err
-        handle = TransferHandle(self, request, info.name, len(src), int(local[:, 1].sum()))
+        handle = TransferHandle(self, request, info.name, len(src), int(local[:, 1].sum()), len(local))
         if state == "ERR":
             self._release_request(request)
             raise TransferError(f"posting {len(src)} blocks to peer {info.name!r} failed (NIXL state ERR)")

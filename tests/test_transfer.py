@@ -304,6 +304,9 @@ def test_blocks_arrive_byte_identical_under_other_ids(local, receiver):
         handle = transfer.send(peer, src, dst, notify=b"seq-17")
         handle.wait(WAIT)
         assert handle.done() and handle.blocks == 5
+        assert dst_all == [0, 1, 2, 3, 4, 5] and held == list(range(12))
+        # pairs 3->0 4->1 | 9->2 | 10->4 | 2->5: 4 runs, each in 6 pools (3 layers, K and V)
+        assert handle.descriptors == 24
         assert handle.nbytes == 5 * cache.config().block_bytes_kv_all_layers()
         assert receiver.call("wait_notifications", WAIT) == [("prefill", b"seq-17")]
         assert receiver.call("read", dst) == block_bytes(cache, gpu, src)
