@@ -1,0 +1,574 @@
+"""KvTransfer: KV blocks written from one engine's cache into another's over NIXL.
+
+Each side wraps its own `PagedKvCache` in a `KvTransfer`, which registers every pool with a
+NIXL agent (VRAM on a CUDA backend, DRAM on a host one). The sides swap `metadata()` out of
+band (a socket, a file, the engine's control plane); `connect` checks that the peer's layout
+is the same before any byte moves; `send` then writes every layer's K and V of some local
+blocks into the peer's blocks, in one NIXL request, and the peer sees the `notify` message
+in `notifications()` once the bytes have landed.
+
+Worked example: a 2-layer cache whose K and V strides are 8192 bytes; `send(peer, [4, 5, 9],
+[0, 1, 7])` merges the pairs into the runs (4->0, 2 blocks) and (9->7, 1 block), and writes
+2 layers x 2 sides x 2 runs = 8 descriptors: layer 0 K `local_k0 + 4 * 8192, 16384 bytes ->
+peer_k0 + 0 * 8192`, and so on.
+
+The receiving blocks belong to the receiver: its owner allocates them (any ids) and tells
+the sender which ones, out of band; nothing else about them is assumed. NIXL is imported
+only when a KvTransfer is built (`import pagedkv.transfer` needs no NIXL); install it with
+`pip install --no-deps nixl-cu13==1.5.1` (the wheel declares torch, which its Python API
+does not import).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from .cache import PagedKvCache
+from .capabilities import backend_supports, device_kind
+from .errors import KvCacheError, PagedKvError
+from .log import get_logger
+from .validate import block_list
+
+_log = get_logger("transfer")
+
+INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1"
+"""How to install NIXL for KvTransfer (its wheel declares torch, which its Python API never imports)."""
+
+METADATA_MAGIC = b"pagedkv-kvtransfer\x00"
+"""The first bytes of every `KvTransfer.metadata()` blob."""
+
+LAYOUT_VERSION = 1
+"""Bumped whenever the layout description changes; peers of different versions refuse each other."""
+
+FORMATS_VERSION = 1
+"""The version of docs/FORMATS.md (the byte contract both sides' blocks follow)."""
+
+_NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+class NixlUnavailable(PagedKvError, ImportError):
+    """NIXL's Python API cannot be imported; the message says how to install it."""
+
+
+class TransferError(PagedKvError, RuntimeError):
+    """A KV transfer was refused or failed; the message names the peer and what went wrong."""
+
+
+class LayoutMismatch(TransferError, ValueError):
+    """A peer's cache layout differs from this one; the message lists every difference."""
+
+
+class UnknownPeer(TransferError, LookupError):
+    """A peer name that `connect` never returned (or one already disconnected)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A wait ran past its timeout; the transfer (if any) is still in flight and may be waited on again."""
+
+
+def load_nixl() -> Any:
+    """NIXL's `_api` module (`nixl`, else `nixl_cu13`, else `nixl_cu12`); NixlUnavailable
+    saying how to install it when none imports. NIXL's own Python logger is set to WARNING
+    unless NIXL_LOG_LEVEL asks for another level (it prints INFO lines on stdout otherwise)."""
+    errors = []
+    for name in _NIXL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as err:
+            errors.append(f"{name}: {err}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
+    raise NixlUnavailable(
+        f"KvTransfer needs NIXL's Python API; install it with `{INSTALL_HINT}` "
+        f"(tried {'; '.join(errors)})"
+    )
+
+
+def layout_of(cache: Any) -> dict:
+    """The layout description two caches must share to exchange blocks: the byte-format
+    versions, block size, layer count, V aliasing, and per layer its format, dims and K/V
+    strides. The block count is not part of it (the two caches may differ in size), nor the
+    sliding window (it does not change a block's bytes)."""
+    config = cache.config()
+    pools = cache.pools()
+    layers = []
+    for layer in range(config.num_layers):
+        heads, head_dim = config.dims_for_layer(layer)
+        layers.append({
+            "dtype": str(config.dtype_for_layer(layer)),
+            "num_kv_heads": heads,
+            "head_dim": head_dim,
+            "k_stride": pools.k_stride(layer),
+            "v_stride": pools.v_stride(layer),
+        })
+    return {
+        "layout_version": LAYOUT_VERSION,
+        "formats_version": FORMATS_VERSION,
+        "block_size": config.block_size,
+        "num_layers": config.num_layers,
+        "v_aliases_k": config.v_aliases_k,
+        "layers": layers,
+    }
+
+
+def fingerprint(layout: dict) -> str:
+    """A short stable hash of a layout description (what logs and error messages show)."""
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def layout_differences(mine: dict, theirs: dict) -> list[str]:
+    """Every difference between two layout descriptions, as `what: here X, peer Y` lines
+    (empty when they are the same)."""
+    out = []
+    for key in ("layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k"):
+        if mine.get(key) != theirs.get(key):
+            out.append(f"{key}: here {mine.get(key)!r}, peer {theirs.get(key)!r}")
+    for layer, (a, b) in enumerate(zip(mine.get("layers", []), theirs.get("layers", []))):
+        for key in ("dtype", "num_kv_heads", "head_dim", "k_stride", "v_stride"):
+            if a.get(key) != b.get(key):
+                out.append(f"layer {layer} {key}: here {a.get(key)!r}, peer {b.get(key)!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """One registered pool: its layer, side, address as NIXL sees it, and block stride."""
+
+    layer: int
+    side: str
+    address: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """What `connect` learned about a peer."""
+
+    name: str
+    num_blocks: int
+    mem_type: str
+    device_id: int
+    pools: tuple
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs covering the pairs `zip(src, dst)`, ordered by
+    destination, where a run is a stretch of pairs whose sources and destinations both go up
+    by one. Example: src [9, 4, 5], dst [7, 0, 1] gives [(4, 0, 2), (9, 7, 1)]."""
+    runs: list[list[int]] = []
+    for d, s in sorted(zip(dst, src)):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _blocks(blocks: object, num_blocks: int, what: str, whose: str) -> list[int]:
+    """`validate.block_list`, with the argument and the cache it indexes named in an IndexError."""
+    try:
+        return block_list(blocks, num_blocks, what)
+    except IndexError as err:
+        raise IndexError(f"{what}: {err} ({whose})") from None
+
+
+class TransferHandle:
+    """One `send` in flight. `wait(timeout)` blocks until its bytes are written at the peer;
+    `done()` polls. Once complete (or failed) the NIXL request is released."""
+
+    def __init__(self, owner: "KvTransfer", request: Any, peer: str, blocks: int, nbytes: int, descriptors: int):
+        self._owner = owner
+        self._request = request
+        self.peer = peer
+        """The peer the blocks go to."""
+        self.blocks = blocks
+        """How many blocks this transfer writes."""
+        self.nbytes = nbytes
+        """How many bytes this transfer writes (every layer, both sides)."""
+        self.descriptors = descriptors
+        """How many NIXL descriptors the request has: one per pool per run of consecutive pairs."""
+        self._state = "PROC"
+        self._reason = "NIXL state ERR"
+
+    def done(self) -> bool:
+        """True once every byte is written at the peer; TransferError if the transfer failed."""
+        if self._state == "PROC":
+            try:
+                self._state = self._owner._poll(self._request)
+            except TransferError:
+                raise
+            except Exception as err:  # noqa: BLE001 - NIXL raises its own classes for a lost peer
+                self._state, self._reason = "ERR", f"{type(err).__name__}: {err}"
+            if self._state != "PROC":
+                self._finish()
+        if self._state == "ERR":
+            raise TransferError(
+                f"transfer of {self.blocks} blocks ({self.nbytes} bytes) to peer {self.peer!r} failed: {self._reason}"
+            )
+        return self._state == "DONE"
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer is complete. TransferTimeout, naming the peer, the
+        blocks and the timeout, when it is not complete after `timeout` seconds (None waits
+        for ever); the transfer stays in flight and `wait` may be called again. TransferError
+        if it failed."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 1e-5
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransferTimeout(
+                    f"transfer of {self.blocks} blocks ({self.nbytes} bytes) to peer {self.peer!r} "
+                    f"not complete after {timeout} s (still in flight; wait again or close)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _finish(self) -> None:
+        self._owner._release_request(self._request)
+        self._request = None
+
+
+class KvTransfer:
+    """A NIXL agent named `name` with every pool of `cache` (a PagedKvCache on `gpu`)
+    registered: VRAM of `gpu.device_ordinal` on a "device:cuda" backend, DRAM on a
+    "device:cpu" one (through `gpu.view` when it states "host_view", as HostBackend does:
+    its pointers are not host addresses). Elastic caches are refused (their memory is mapped
+    later). `backends` are the NIXL backend plugins the agent creates (UCX by default).
+    Construction is all or nothing. Use one from one thread; `close()` (or a `with` block)
+    deregisters, and must come before the cache is released."""
+
+    def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
+        if not isinstance(cache, PagedKvCache):
+            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise ValueError(f"name must be a non-empty str without NUL, got {name!r}")
+        pools = cache.pools()
+        try:
+            pools.check_backend(gpu)
+        except KvCacheError:
+            raise KvCacheError(
+                f"KvTransfer with {type(gpu).__name__} {gpu!r:.60}: the cache was built on another backend"
+            ) from None
+        if not pools.is_live():
+            raise KvCacheError("KvTransfer over a released cache")
+        if pools.elastic() is not None:
+            raise ValueError("KvTransfer needs a cache allocated whole (elastic=False): elastic pools map memory later")
+        self._mem_type, self._device_id, self._views = self._memory_kind(gpu)
+        nixl = load_nixl()
+        self.name = name
+        """This agent's name, as peers see it."""
+        self._cache = cache
+        self._gpu = gpu
+        self._num_blocks = cache.num_blocks()
+        self._layout = layout_of(cache)
+        self._pools = self._describe_pools(cache, gpu)
+        self._peers: dict[str, _Peer] = {}
+        self._requests: dict[int, Any] = {}
+        self._inbox: list[tuple[str, bytes]] = []
+        self._closed = False
+        self._registered = None
+        config = nixl.nixl_agent_config(backends=list(backends))
+        self._agent = nixl.nixl_agent(name, config)
+        try:
+            regions = [(p.address, self._num_blocks * p.stride, self._device_id, "") for p in self._pools]
+            self._registered = self._agent.register_memory(regions, self._mem_type)
+        except BaseException:
+            self._agent = None
+            self._closed = True
+            raise
+        _log.debug("kv_transfer_ready", name=name, mem=self._mem_type, pools=len(self._pools),
+                   fingerprint=fingerprint(self._layout))
+
+    # -- setup ------------------------------------------------------------------------
+
+    def _memory_kind(self, gpu: Any) -> tuple[str, int, list]:
+        kind = device_kind(gpu)
+        if kind == "cuda":
+            return "VRAM", int(getattr(gpu, "device_ordinal", 0)), []
+        if kind == "cpu":
+            return "DRAM", 0, []
+        raise TypeError(
+            f"KvTransfer needs a backend whose memory NIXL can register (\"device:cuda\" or "
+            f"\"device:cpu\"); {type(gpu).__name__} states {kind!r}"
+        )
+
+    def _describe_pools(self, cache: Any, gpu: Any) -> list[_Pool]:
+        pools = cache.pools()
+        host_view = self._mem_type == "DRAM" and backend_supports(gpu, "host_view")
+        out = []
+        for layer in range(cache.config().num_layers):
+            sides = [("K", pools.k_pool(layer), pools.k_stride(layer))]
+            if not cache.config().v_aliases_k:
+                sides.append(("V", pools.v_pool(layer), pools.v_stride(layer)))
+            for side, ptr, stride in sides:
+                address = int(ptr)
+                if host_view:
+                    view = gpu.view(ptr, self._num_blocks * stride)
+                    self._views.append(view)  # keeps the bytes alive while registered
+                    address = view.ctypes.data
+                out.append(_Pool(layer, side, address, stride))
+        return out
+
+    def metadata(self) -> bytes:
+        """What a peer's `connect` needs, handed over out of band: NIXL's agent metadata
+        (connection details and registered memory) and pagedkv's layout description."""
+        self._check_open()
+        info = {
+            "name": self.name,
+            "num_blocks": self._num_blocks,
+            "mem_type": self._mem_type,
+            "device_id": self._device_id,
+            "layout": self._layout,
+            "pools": [[p.layer, p.side, p.address, p.stride] for p in self._pools],
+        }
+        text = json.dumps(info, sort_keys=True).encode()
+        return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + self._agent.get_agent_metadata()
+
+    def fingerprint(self) -> str:
+        """The short hash of this cache's layout description (see `layout_of`)."""
+        return fingerprint(self._layout)
+
+    def connect(self, peer_metadata: bytes) -> str:
+        """Load a peer's `metadata()` and return its name. The layout is checked first:
+        LayoutMismatch listing every difference (formats, dims, strides, block size, ...)
+        with nothing loaded. ValueError for a blob that is not KvTransfer metadata, for this
+        agent's own name, or for a name already connected."""
+        self._check_open()
+        info, nixl_md = self._parse_metadata(peer_metadata)
+        name = info["name"]
+        if name == self.name:
+            raise ValueError(f"peer metadata names this agent itself ({name!r})")
+        if name in self._peers:
+            raise ValueError(f"peer {name!r} is already connected (disconnect it first)")
+        diffs = layout_differences(self._layout, info["layout"])
+        if diffs:
+            raise LayoutMismatch(
+                f"peer {name!r} has another cache layout (fingerprint {fingerprint(info['layout'])}, "
+                f"here {self.fingerprint()}): " + "; ".join(diffs)
+            )
+        pools = self._peer_pools(name, info)
+        try:
+            loaded = self._agent.add_remote_agent(nixl_md)
+        except Exception as err:
+            raise TransferError(f"loading peer {name!r} failed: {type(err).__name__}: {err}") from err
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            self._agent.remove_remote_agent(loaded)
+            raise ValueError(f"peer metadata names {name!r} but its NIXL part names {loaded!r}")
+        self._peers[name] = _Peer(name, int(info["num_blocks"]), str(info["mem_type"]),
+                                  int(info["device_id"]), pools)
+        _log.debug("kv_transfer_connected", name=self.name, peer=name, peer_blocks=info["num_blocks"])
+        return name
+
+    def _peer_pools(self, name: str, info: dict) -> tuple:
+        """The peer's pools, which must be this side's (layer, side, stride) in order."""
+        try:
+            pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
+        mine = [(p.layer, p.side, p.stride) for p in self._pools]
+        if [(p.layer, p.side, p.stride) for p in pools] != mine:
+            raise ValueError(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
+        return pools
+
+    @staticmethod
+    def _parse_metadata(blob: object) -> tuple[dict, bytes]:
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"peer_metadata must be bytes from KvTransfer.metadata(), got {type(blob).__name__}")
+        blob = bytes(blob)
+        head = len(METADATA_MAGIC)
+        if not blob.startswith(METADATA_MAGIC) or len(blob) < head + 8:
+            raise ValueError(f"peer_metadata is not KvTransfer metadata (starts {blob[:24]!r})")
+        size = int.from_bytes(blob[head : head + 8], "little")
+        try:
+            info = json.loads(blob[head + 8 : head + 8 + size])
+        except ValueError as err:
+            raise ValueError(f"peer_metadata has a broken layout description: {err}") from None
+        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list}
+        if not isinstance(info, dict) or any(not isinstance(info.get(k), t) for k, t in fields.items()):
+            raise ValueError(f"peer_metadata lacks one of {', '.join(fields)}")
+        if info["layout"].get("layout_version") != LAYOUT_VERSION:
+            raise ValueError(
+                f"peer_metadata layout version {info['layout'].get('layout_version')!r} is not {LAYOUT_VERSION}"
+            )
+        return info, blob[head + 8 + size :]
+
+    def peers(self) -> list[str]:
+        """The names of the connected peers."""
+        return list(self._peers)
+
+    def disconnect(self, peer: str) -> None:
+        """Forget a connected peer (UnknownPeer otherwise); its in-flight sends stay waitable."""
+        self._check_open()
+        self._peer(peer)
+        del self._peers[peer]
+        self._agent.remove_remote_agent(peer)
+
+    def _peer(self, peer: object) -> _Peer:
+        found = self._peers.get(peer) if isinstance(peer, str) else None
+        if found is None:
+            known = ", ".join(map(repr, self._peers)) or "none"
+            raise UnknownPeer(f"unknown peer {peer!r} (connected: {known}); connect(peer_metadata) first")
+        return found
+
+    # -- transfers --------------------------------------------------------------------
+
+    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"") -> TransferHandle:
+        """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
+        the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
+        descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
+        reaches the peer's `notifications()` once the bytes have landed. Returns the handle
+        to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
+        either side (IndexError naming it and the side's size), a free source block, lists of
+        different or zero length, a repeated destination (ValueError naming it), a notify
+        that is not bytes. Work the caller enqueued on the source blocks must be complete."""
+        self._check_open()
+        info = self._peer(peer)
+        src = _blocks(src_blocks, self._num_blocks, "src_blocks", "this cache")
+        dst = _blocks(dst_blocks, info.num_blocks, "dst_blocks", f"peer {info.name!r}")
+        if len(src) != len(dst):
+            raise ValueError(f"src_blocks has {len(src)} blocks but dst_blocks has {len(dst)}")
+        if not src:
+            raise ValueError("src_blocks is empty: nothing to send")
+        if len(set(dst)) != len(dst):
+            seen: set[int] = set()
+            repeated = next(b for b in dst if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+            raise ValueError(f"destination block {repeated} appears twice in dst_blocks")
+        free = next((b for b in src if self._cache.ref_count(b) == 0), None)
+        if free is not None:
+            raise ValueError(f"source block {free} is free (send only blocks the cache holds)")
+        if not isinstance(notify, (bytes, bytearray)):
+            raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        runs = block_runs(src, dst)
+        local, remote = self._descriptors(info, runs)
+        nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
+        nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)
+        try:
+            request = self._agent.initialize_xfer("WRITE", nixl_local, nixl_remote, info.name, bytes(notify))
+        except Exception as err:
+            raise TransferError(f"preparing {len(src)} blocks for peer {info.name!r} failed: {type(err).__name__}: {err}") from err
+        self._requests[id(request)] = request
+        try:
+            state = self._agent.transfer(request)
+        except Exception as err:
+            self._release_request(request)
+            raise TransferError(f"posting {len(src)} blocks to peer {info.name!r} failed: {type(err).__name__}: {err}") from err
+        handle = TransferHandle(self, request, info.name, len(src), int(local[:, 1].sum()), len(local))
+        if state == "ERR":
+            self._release_request(request)
+            raise TransferError(f"posting {len(src)} blocks to peer {info.name!r} failed (NIXL state ERR)")
+        if state == "DONE":
+            handle._state = "DONE"
+            handle._finish()
+        _log.debug("kv_transfer_sent", name=self.name, peer=info.name, blocks=len(src),
+                   descriptors=len(local), bytes=handle.nbytes, state=state)
+        return handle
+
+    def _descriptors(self, peer: _Peer, runs: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) Nx3 uint64 arrays of (address, bytes, device) per pool and run."""
+        rows = len(self._pools) * len(runs)
+        local = np.empty((rows, 3), dtype=np.uint64)
+        remote = np.empty((rows, 3), dtype=np.uint64)
+        run = np.array(runs, dtype=np.uint64).reshape(-1, 3)
+        for i, (mine, theirs) in enumerate(zip(self._pools, peer.pools)):
+            part = slice(i * len(runs), (i + 1) * len(runs))
+            stride = np.uint64(mine.stride)
+            local[part, 0] = np.uint64(mine.address) + run[:, 0] * stride
+            remote[part, 0] = np.uint64(theirs.address) + run[:, 1] * stride
+            local[part, 1] = remote[part, 1] = run[:, 2] * stride
+            local[part, 2] = self._device_id
+            remote[part, 2] = peer.device_id
+        return local, remote
+
+    def _poll(self, request: Any) -> str:
+        self._check_open()
+        return self._agent.check_xfer_state(request)
+
+    def _release_request(self, request: Any) -> None:
+        if self._requests.pop(id(request), None) is None:
+            return
+        try:
+            self._agent.release_xfer_handle(request)
+        except Exception as err:  # noqa: BLE001 - a release that fails must not hide the result
+            _log.warning("kv_transfer_release_failed", name=self.name, error=f"{type(err).__name__}: {err}")
+
+    # -- notifications ----------------------------------------------------------------
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Every (peer name, message) that arrived since the last call, oldest first per peer."""
+        self._check_open()
+        for peer, messages in self._agent.get_new_notifs().items():
+            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self._inbox.extend((peer, bytes(m)) for m in messages)
+        out, self._inbox = self._inbox, []
+        return out
+
+    def wait_notifications(self, timeout: float) -> list[tuple[str, bytes]]:
+        """`notifications()` once at least one has arrived; TransferTimeout naming the
+        timeout when none arrives within `timeout` seconds."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        pause = 1e-5
+        while True:
+            got = self.notifications()
+            if got:
+                return got
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"{self.name!r}: no notification arrived within {timeout} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"KvTransfer {self.name!r} is closed")
+
+    def closed(self) -> bool:
+        """True after `close()` (or a failed construction)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release in-flight requests (NIXL cancels what it can), forget every peer and
+        deregister the pools. Idempotent; every step is attempted and the first error raised."""
+        if self._closed:
+            return
+        self._closed = True
+        first: BaseException | None = None
+        steps = [lambda r=r: self._agent.release_xfer_handle(r) for r in self._requests.values()]
+        steps += [lambda p=p: self._agent.remove_remote_agent(p) for p in self._peers]
+        if self._registered is not None:
+            steps.append(lambda: self._agent.deregister_memory(self._registered))
+        for step in steps:
+            try:
+                step()
+            except Exception as err:  # noqa: BLE001 - every step must be attempted
+                first = first or err
+                _log.error("kv_transfer_close_failed", name=self.name, error=f"{type(err).__name__}: {err}")
+        self._requests.clear()
+        self._peers.clear()
+        self._registered = None
+        self._agent = None
+        self._views = []
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "KvTransfer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
