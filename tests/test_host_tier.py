@@ -318,3 +318,55 @@ def test_host_swap_memory_is_a_numpy_array_at_its_data_pointer(host):
     with pytest.raises(DeviceOutOfMemory, match="cannot allocate"):
         host.alloc_swap_memory(1 << 62)
     host.free(ptr)
+
+
+# -- the "host_tier" conformance rules fail on a backend that breaks their point ----------
+
+class CopiesRangeByRange(HostBackend):
+    """Copies each range as it checks it: a bad later range leaves the earlier ones copied."""
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        for i, (d, s, n) in enumerate(zip(dsts, srcs, sizes)):
+            try:
+                super().copy_batch_async([d], [s], [n], stream)
+            except IndexError as err:
+                raise IndexError(str(err).replace("entry 0", f"entry {i}")) from None
+
+
+class ForgetsTheLastRange(HostBackend):
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        super().copy_batch_async(list(dsts)[:-1], list(srcs)[:-1], list(sizes)[:-1], stream)
+
+
+class KeepsDestroyedEvents(HostBackend):
+    def destroy_event(self, event):
+        self._check_event(event)
+
+
+class SwapMemoryFreeTwiceRaises(HostBackend):
+    def alloc_swap_memory(self, nbytes):
+        memory = super().alloc_swap_memory(nbytes)
+        free = memory.free
+
+        def strict():
+            if memory.freed:
+                raise RuntimeError("swap memory freed twice")
+            free()
+
+        memory.free = strict
+        return memory
+
+
+@pytest.mark.parametrize("backend, rule, reason", [
+    (CopiesRangeByRange, "batched_copy_refuses_bad_ranges", "swap memory after a destination range past"),
+    (ForgetsTheLastRange, "batched_copy", "after one batched copy"),
+    (ForgetsTheLastRange, "host_tier_swaps", "differ"),
+    (KeepsDestroyedEvents, "events", "destroy of a destroyed event: returned"),
+    (SwapMemoryFreeTwiceRaises, "swap_memory", "swap memory freed twice"),
+], ids=lambda p: p.__name__ if isinstance(p, type) else None)
+def test_a_planted_defect_fails_its_host_tier_rule(backend, rule, reason):
+    from pagedkv.testing import backend_conformance
+
+    report = backend_conformance(lambda: backend(capacity_bytes=1 << 26), only=[rule])
+    assert report[rule].status == "failed" and reason in report[rule].reason, report[rule].reason
+
