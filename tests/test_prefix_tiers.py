@@ -307,3 +307,27 @@ def test_a_promotion_keeps_its_host_blocks_while_its_allocation_evicts(host):
         world.table.check_invariants()
     finally:
         world.close()
+
+
+class _SwapInFlipsABit(HostBackend):
+    """A HostBackend whose batched copies into device memory flip one bit of the first range."""
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        super().copy_batch_async(dsts, srcs, sizes, stream)
+        if len(dsts) and self._find(int(dsts[0])) is not None:
+            self.view(int(dsts[0]), 1)[0] ^= 1
+
+
+def test_the_demo_serves_a_prompt_from_the_host_tier_and_notices_a_wrong_byte(monkeypatch, capsys):
+    from pagedkv.cli import demo as demo_module
+    from pagedkv.cli import main
+
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (HostBackend(capacity_bytes=1 << 30), "HostBackend"))
+    assert main(["demo", "--layers", "2", "--blocks", "16"]) == 0
+    assert "  [ok]   host tier: a prompt's 4 blocks evicted to the host tier, then served to a new sequence from it; " \
+           "KV bytes identical" in capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(demo_module, "best_backend", lambda: (_SwapInFlipsABit(capacity_bytes=1 << 30), "flipper"))
+    assert main(["demo", "--layers", "2", "--blocks", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "  [FAIL] host tier: CheckFailed: layer 0: block 0 served back into block 0 differs" in out
+    assert out.count("[FAIL]") == 1
