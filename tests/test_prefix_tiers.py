@@ -331,3 +331,26 @@ def test_the_demo_serves_a_prompt_from_the_host_tier_and_notices_a_wrong_byte(mo
     out = capsys.readouterr().out
     assert "  [FAIL] host tier: CheckFailed: layer 0: block 0 served back into block 0 differs" in out
     assert out.count("[FAIL]") == 1
+
+
+def test_the_readme_host_tier_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Host tier"):readme.index("## CUDA backend")]
+    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    gpu = namespace["gpu"]
+    assert gpu.live_allocations() == 0 and gpu.live_swap_memory() == 0 and gpu.live_events() == 0
+
+
+def test_an_eviction_batch_waits_for_its_swap_before_handing_out_blocks(world, monkeypatch):
+    world.cached_prompt("a", PROMPT)
+    waits = []
+    original = world.gpu.wait_event
+    monkeypatch.setattr(world.gpu, "wait_event", lambda e: (waits.append(world.cache.num_free_blocks()), original(e)))
+    taken = world.squeeze(6)
+    assert waits == [3]  # while it waits, the three evicted blocks are not on the free list yet
+    world.cache.free_blocks(taken)
