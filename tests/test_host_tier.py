@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedkv.capabilities import backend_supports
+
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache
 from pagedkv.capabilities import BackendFeatureMissing
 from pagedkv.errors import DeviceOutOfMemory, KvCacheError, KvCacheExhausted, RefCountError
@@ -18,6 +20,14 @@ MIXED = KvCacheConfig(
 )
 ALIASED = KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=2, dtype="bf16", v_aliases_k=True)
 
+
+
+@pytest.fixture
+def gpu(gpu):
+    """The conftest backend, skipped (with the reason) where it does not state "host_tier"."""
+    if not backend_supports(gpu, "host_tier"):
+        pytest.skip(f"{type(gpu).__name__} does not state 'host_tier'")
+    return gpu
 
 def _fill(cache: PagedKvCache, blocks, gpu, seed: int) -> dict:
     """Random bytes in every layer side of `blocks`; returns (layer, block) -> (k, v)."""

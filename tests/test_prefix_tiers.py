@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedkv.capabilities import backend_supports
+
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.errors import KvCacheExhausted
 from pagedkv.host_tier import HostTier
@@ -20,6 +22,14 @@ CONFIG = KvCacheConfig(
 )
 PROMPT = list(range(100, 113))  # 3 full blocks + 1 token
 
+
+
+@pytest.fixture
+def gpu(gpu):
+    """The conftest backend, skipped (with the reason) where it does not state "host_tier"."""
+    if not backend_supports(gpu, "host_tier"):
+        pytest.skip(f"{type(gpu).__name__} does not state 'host_tier'")
+    return gpu
 
 class World:
     """A cache of `device` blocks, a host tier of `host` blocks, a prefix cache recording
