@@ -364,3 +364,128 @@ def test_an_eviction_batch_waits_for_its_swap_before_handing_out_blocks(world, m
     taken = world.squeeze(6)
     assert waits == [3]  # while it waits, the three evicted blocks are not on the free list yet
     world.cache.free_blocks(taken)
+
+
+# -- random operations across the two tiers ----------------------------------------------
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+_BASES = [[b * 100 + i for i in range(17)] for b in range(3)]
+_BASES[1][:8] = _BASES[0][:8]  # bases 0 and 1 share two blocks
+
+
+def _block_bytes(cache: PagedKvCache, tokens: list[int], layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """The K and V bytes the machine writes for a full block whose prompt starts `tokens`."""
+    seed = _hashes(tokens, len(tokens) // BS)[-1] % (1 << 32) + layer
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 256, cache.k_block_stride_bytes_for_layer(layer), dtype=np.uint8),
+            rng.integers(0, 256, cache.v_block_stride_bytes_for_layer(layer), dtype=np.uint8))
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Sequences added, freed, squeezed out and served again over a small device cache and
+    a smaller host tier: after every step the invariants hold, and every block a sequence
+    got from either tier holds the bytes written for its tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.world = World(HostBackend(capacity_bytes=1 << 26), device=10, host=4)
+        self.live: dict[int, list[int]] = {}
+        self.held: list[int] = []
+        self.next_id = 0
+
+    @rule(base=st.integers(0, 2), n=st.integers(2, 17))
+    def add(self, base, n):
+        prompt = _BASES[base][:n]
+        w = self.world
+        try:
+            matched = w.table.add(self.next_id, prompt)
+        except KvCacheExhausted:
+            return
+        blocks = w.table.blocks(self.next_id)
+        for i, block in enumerate(blocks[: n // BS]):
+            for layer in range(CONFIG.num_layers):
+                want = _block_bytes(w.cache, prompt[: (i + 1) * BS], layer)
+                if i < matched // BS:
+                    got = w.cache.read_block(layer, block, w.gpu)
+                    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (i, layer)
+                else:
+                    w.cache.write_block(layer, block, *want, w.gpu)
+        self.live[self.next_id] = prompt
+        self.next_id += 1
+
+    @rule(data=st.data())
+    def free(self, data):
+        if self.live:
+            seq = data.draw(st.sampled_from(sorted(self.live)))
+            self.world.table.free(seq)
+            del self.live[seq]
+
+    @rule(n=st.integers(1, 10), keep=st.booleans())
+    def squeeze(self, n, keep):
+        """Allocate `n` blocks (evicting into the host tier), and hold them or free them at once."""
+        try:
+            taken = self.world.cache.alloc_blocks(n)
+        except KvCacheExhausted:
+            return
+        if keep:
+            self.held += taken
+        else:
+            self.world.cache.free_blocks(taken)
+
+    @rule()
+    def unsqueeze(self):
+        self.world.cache.free_blocks(self.held)
+        self.held = []
+
+    @rule(base=st.integers(0, 2))
+    def match(self, base):
+        found = self.world.prefix.match(_BASES[base])
+        self.world.cache.free_blocks(found.blocks)
+
+    @invariant()
+    def consistent(self):
+        w = self.world
+        held = w.table.block_references()
+        for block in self.held:
+            held[block] = held.get(block, 0) + 1
+        w.prefix.check_invariants()
+        for block in w.prefix.block_references():
+            held[block] = held.get(block, 0) + 1
+        w.cache.check_invariants(held)
+        assert w.tier.num_free_blocks() + w.prefix.num_host_blocks() == w.tier.num_blocks()
+
+    def teardown(self):
+        self.world.close()
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_a_seeded_random_walk_over_both_tiers_keeps_every_byte_and_invariant():
+    """The machine's rules in a long seeded walk: it must demote, promote and drop."""
+    machine = TierMachine()
+    rng = np.random.default_rng(2026)
+    try:
+        for _ in range(400):
+            step = rng.integers(0, 6)
+            if step <= 1:
+                machine.add(int(rng.integers(0, 3)), int(rng.integers(2, 18)))
+            elif step == 2 and machine.live:
+                seq = sorted(machine.live)[int(rng.integers(0, len(machine.live)))]
+                machine.world.table.free(seq)
+                del machine.live[seq]
+            elif step == 3:
+                machine.squeeze(int(rng.integers(1, 11)), bool(rng.integers(0, 4) == 0))
+            elif step == 4:
+                machine.unsqueeze()
+            else:
+                machine.match(int(rng.integers(0, 3)))
+            machine.consistent()
+        stats = machine.world.prefix.stats()
+        assert stats.demotions > 0 and stats.promotions > 0 and stats.host_evictions > 0, stats
+    finally:
+        machine.teardown()
