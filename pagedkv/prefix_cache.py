@@ -290,6 +290,7 @@ class PrefixCache:
                 tokens = token_ids(tokens, "tokens")  # converts, or raises naming the bad entry
                 data = _int64_bytes(tokens)
             adapter_id = adapter_id_checked(adapter_id)
+            self._check_tier()
             path, host_path = self._split(self._walk_bytes(data, adapter_id))
             blocks = [n.block for n in path]
             self._allocator.inc_refs_of_valid(blocks)
@@ -301,13 +302,16 @@ class PrefixCache:
             bs = self._block_size
             self._count_query(len(tokens), len(blocks) * bs, len(host_path) * bs)
             if self._tier is None:
-                return PrefixMatch(blocks, len(blocks) * bs)
-            self._tier.touch([n.host for n in reversed(host_path)])  # a parent more recent than its child
-            found = TieredMatch(blocks, len(blocks) * bs)
-            found.host_blocks, found.host_num_tokens = [n.host for n in host_path], len(host_path) * bs
-            return found
+                found = PrefixMatch(blocks, len(blocks) * bs)
+            else:
+                self._tier.touch([n.host for n in reversed(host_path)])  # a parent more recent than its child
+                found = TieredMatch(blocks, len(blocks) * bs)
+                found.host_blocks, found.host_num_tokens = [n.host for n in host_path], len(host_path) * bs
         finally:
             guard.exit()
+        if self._events:  # forgetting a released host tier's blocks
+            self.deliver_events()
+        return found
 
     def reserve(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
         """`match` in two steps, for a request that may still be refused: the longest cached
@@ -324,10 +328,12 @@ class PrefixCache:
 
     def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int) -> PrefixMatch:
         """`reserve` of `tokens[:n]`, already validated (the guard held by the caller)."""
+        self._check_tier()
         return self._reservation(self._walk(tokens, n, adapter_id))
 
     def _reserve_bytes(self, data: bytes, adapter_id: int) -> PrefixMatch:
         """`reserve` of tokens given as valid int64 bytes (the guard held by the caller)."""
+        self._check_tier()
         return self._reservation(self._walk_bytes(data, adapter_id))
 
     def _reservation(self, whole: list[_Node]) -> PrefixMatch:
@@ -455,6 +461,7 @@ class PrefixCache:
         """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
         With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
         already cached under the current node is followed without comparing its tokens."""
+        self._check_tier()
         bs, step = self._block_size, 8 * self._block_size
         root = self._roots.get(adapter_id)
         node, first_new = root, 0
@@ -630,6 +637,7 @@ class PrefixCache:
             heapq.heappush(self._heap, (stamp, self._serial, node))
 
     def _evict_chosen(self, chosen: list[tuple[int, _Node]]) -> list[int]:
+        self._check_tier()
         if self._tier is not None and chosen:
             return self._demote(chosen)
         blocks, hashes = [], []
@@ -750,6 +758,25 @@ class PrefixCache:
         if self._on_event is not None:
             self._emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
 
+    def _check_tier(self) -> None:
+        """Once the host tier has been released, forget every host-resident block (a
+        BlockRemoved on the CPU) and go on as a device-only cache."""
+        tier = self._tier
+        if tier is None or tier.is_live():
+            return
+        self._tier = None
+        nodes = list(self._by_host.values())
+        for node in nodes:
+            node.parent.children.pop(node.key, None)
+        hosts = list(self._by_host)
+        for node in nodes:
+            node.host = None
+        self._by_host.clear()
+        self._pinned.clear()
+        self._host_drops += len(nodes)
+        if nodes and self._on_event is not None:
+            self._emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
+
     def _pin(self, found: PrefixMatch) -> None:
         """Keep a reservation's host part from being dropped until `_unpin`."""
         self._pinned.update(id(n) for n in getattr(found, "host_path", ()))
@@ -786,7 +813,9 @@ class PrefixCache:
             ))
 
     def host_tier(self) -> "HostTier | None":
-        """The host tier evictions demote into, or None."""
+        """The host tier evictions demote into, or None. Releasing the tier before the
+        prefix cache is allowed: the next call forgets the host-resident blocks (one
+        BlockRemoved on the CPU) and the cache goes on device-only."""
         return self._tier
 
     def num_host_blocks(self) -> int:
@@ -913,6 +942,7 @@ class PrefixCache:
         """Raise KvCacheError if the tree, the block index and the counts disagree: every
         node has `block_size` tokens under its own key and a correct chained hash, no block
         is cached twice, every cached block holds count >= 1 (O(cached blocks))."""
+        self._check_tier()
         seen = 0
         rank = self._lru_rank() if self._tier is not None else {}
         for adapter_id, root in self._roots.items():

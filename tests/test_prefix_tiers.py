@@ -489,3 +489,24 @@ def test_a_seeded_random_walk_over_both_tiers_keeps_every_byte_and_invariant():
         assert stats.demotions > 0 and stats.promotions > 0 and stats.host_evictions > 0, stats
     finally:
         machine.teardown()
+
+
+def test_releasing_the_tier_first_leaves_a_device_only_cache(host):
+    world = World(host)
+    try:
+        world.cached_prompt("a", PROMPT)
+        world.cache.free_blocks(world.squeeze(6))  # 3 blocks on the host
+        world.cached_prompt("b", [700 + i for i in range(2 * BS + 1)])
+        world.tier.release(host)
+        world.events.clear()
+        assert world.prefix.match(PROMPT).host_num_tokens == 0
+        assert world.events == [BlockRemoved(block_hashes=tuple(_hashes(PROMPT, 3)[::-1]), block_ids=(0, 1, 2),
+                                             medium="CPU")]
+        assert world.prefix.host_tier() is None and world.prefix.num_host_blocks() == 0
+        world.events.clear()
+        world.cache.free_blocks(world.squeeze(6))  # plain eviction now
+        assert [e.medium for e in world.events] == ["GPU"] and world.prefix.stats().demotions == 3
+        assert world.table.add("c", PROMPT) == 0
+        world.table.check_invariants()
+    finally:
+        world.close()
