@@ -20,6 +20,7 @@ and 256 in row 1.
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -114,7 +115,7 @@ class HostTier:
             self._free_memories(raise_first=False)
             raise
         self._host_bases = np.array([m.address for m in self._memories], dtype=np.int64)
-        self._free: list[int] = list(range(self._num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(self._num_blocks))  # a min-heap
         self._allocated = np.zeros(self._num_blocks, dtype=bool)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._pending: list[tuple[SwapHandle, list[int]]] = []  # freed once their swap is done
@@ -159,7 +160,7 @@ class HostTier:
         self._reap(wait=len(self._free) < n)
         if n > len(self._free):
             raise KvCacheExhausted(f"host tier: {n} block(s) asked, {len(self._free)} of {self._num_blocks} free")
-        taken = [self._free.pop() for _ in range(n)]
+        taken = [heapq.heappop(self._free) for _ in range(n)]
         self._allocated[taken] = True
         return taken
 
@@ -177,8 +178,8 @@ class HostTier:
         if after is not None and not after.done():
             self._pending.append((after, blocks))
         else:
-            self._free.extend(reversed(sorted(blocks)))
-            self._free.sort(reverse=True)
+            for block in blocks:
+                heapq.heappush(self._free, block)
 
     def _reap(self, wait: bool) -> None:
         kept = []
@@ -186,11 +187,10 @@ class HostTier:
             if wait:
                 handle.wait()
             if handle.done():
-                self._free.extend(blocks)
+                for block in blocks:
+                    heapq.heappush(self._free, block)
             else:
                 kept.append((handle, blocks))
-        if len(kept) != len(self._pending):
-            self._free.sort(reverse=True)
         self._pending = kept
 
     # -- the LRU of cached host blocks --------------------------------------------------
@@ -217,6 +217,11 @@ class HostTier:
     def lru_blocks(self) -> list[int]:
         """The cached host blocks, least recently used first."""
         return list(self._lru)
+
+    def oldest(self):
+        """An iterator over the cached host blocks, least recently used first (lazy: do not
+        change the LRU while iterating)."""
+        return iter(self._lru)
 
     def num_cached_blocks(self) -> int:
         """How many host blocks hold cached KV."""

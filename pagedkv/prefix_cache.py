@@ -712,7 +712,7 @@ class PrefixCache:
         """Drop up to `n` host-resident leaves, least recently used first (pinned ones kept)."""
         gone: list[_Node] = []
         by_host, pinned = self._by_host, self._pinned
-        for host in self._tier.lru_blocks():
+        for host in self._tier.oldest():  # the LRU is left alone until the loop is done
             if len(gone) == n:
                 break
             node = by_host[host]
