@@ -79,7 +79,7 @@ class HostBackend:
                 f"HostBackend out of memory: asked {nbytes} bytes ({_gib(nbytes)}), "
                 f"{free} bytes ({_gib(free)}) free of {self._capacity}"
             )
-        base = self._next_address
+        base = self._next_address = self._past_swap_memory(self._next_address, nbytes, ALIGNMENT)
         self._next_address += -(-nbytes // ALIGNMENT) * ALIGNMENT + ALIGNMENT  # guard gap
         self._arrays[base] = np.zeros(nbytes, dtype=np.uint8)
         bisect.insort(self._bases, base)
@@ -263,7 +263,7 @@ class HostBackend:
         (a ceiling may exceed the device); DeviceOutOfMemory, nothing reserved, when the host
         cannot give the lazily zeroed array that emulates the range."""
         granularity = self._vmm.granularity
-        base = -(-self._next_address // granularity) * granularity
+        base = self._past_swap_memory(-(-self._next_address // granularity) * granularity, nbytes, granularity)
         self._vmm.reserve(base, nbytes)
         self._next_address = base + nbytes + granularity  # guard gap; addresses never reused
         return DevicePtr(base)
@@ -302,14 +302,43 @@ class HostBackend:
         `copy_batch_async` reaches: a numpy array, its data pointer the `address`. It costs
         no device capacity; DeviceOutOfMemory when the host cannot give it."""
         nbytes = positive_int(nbytes, "swap memory size")
-        try:
-            array = np.zeros(nbytes, dtype=np.uint8)
-        except (MemoryError, ValueError) as err:
-            raise DeviceOutOfMemory(f"HostBackend cannot allocate {nbytes} bytes of swap memory: {err}") from None
+        refused = []  # arrays landing on emulated addresses, kept until one lands elsewhere
+        while True:
+            try:
+                array = np.zeros(nbytes, dtype=np.uint8)
+            except (MemoryError, ValueError) as err:
+                raise DeviceOutOfMemory(f"HostBackend cannot allocate {nbytes} bytes of swap memory: {err}") from None
+            if not self._overlaps_emulated(int(array.ctypes.data), nbytes):
+                break
+            refused.append(array)
+            if len(refused) == 16:
+                raise DeviceOutOfMemory(f"HostBackend: {nbytes} bytes of swap memory keep landing on emulated addresses")
         memory = HostSwapMemory(self, array)
         self._swap[memory.address] = memory
         bisect.insort(self._swap_bases, memory.address)
         return memory
+
+    def _past_swap_memory(self, base: int, nbytes: int, alignment: int) -> int:
+        """The first `alignment`-aligned address from `base` whose `nbytes` overlap no live
+        swap memory: its addresses are real host addresses, which may lie where this
+        backend's own emulated addresses grow, and one address must mean one range."""
+        moved = True
+        while moved:
+            moved = False
+            for memory in self._swap.values():
+                if base < memory.address + memory.nbytes and memory.address < base + max(nbytes, 1):
+                    base = -(-(memory.address + memory.nbytes + ALIGNMENT) // alignment) * alignment
+                    moved = True
+        return base
+
+    def _overlaps_emulated(self, address: int, nbytes: int) -> bool:
+        """True when `[address, address + nbytes)` meets a live allocation or reservation."""
+        i = bisect.bisect_left(self._bases, address + nbytes) - 1
+        if i >= 0 and self._bases[i] + self._arrays[self._bases[i]].nbytes > address:
+            return True
+        vmm = self._vmm
+        j = bisect.bisect_left(vmm._bases, address + nbytes) - 1
+        return j >= 0 and vmm._bases[j] + vmm._reservations[vmm._bases[j]].size > address
 
     def _forget_swap(self, memory: "HostSwapMemory") -> None:
         del self._swap[memory.address]

@@ -380,3 +380,19 @@ def test_a_planted_defect_fails_its_host_tier_rule(backend, rule, reason):
     report = backend_conformance(lambda: backend(capacity_bytes=1 << 26), only=[rule])
     assert report[rule].status == "failed" and reason in report[rule].reason, report[rule].reason
 
+
+
+def test_emulated_addresses_never_land_on_swap_memory(host):
+    memory = host.alloc_swap_memory(4096)
+    memory.array[:] = np.arange(4096) % 251
+    host._next_address = memory.address - 256  # as if the emulated addresses had grown this far
+    ptr = host.alloc(4096)
+    assert int(ptr) >= memory.address + memory.nbytes or int(ptr) + 4096 <= memory.address
+    host.copy_batch_async([int(ptr)], [memory.address], [4096], 0)
+    assert np.array_equal(host.view(ptr, 4096), memory.array)
+    host._next_address = memory.address
+    reserved = host.reserve_address(host.vmm_granularity())
+    assert int(reserved) >= memory.address + memory.nbytes
+    host.release_address(reserved)
+    host.free(ptr)
+    memory.free()
