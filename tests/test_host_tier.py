@@ -396,3 +396,25 @@ def test_emulated_addresses_never_land_on_swap_memory(host):
     host.release_address(reserved)
     host.free(ptr)
     memory.free()
+
+
+def test_an_elastic_cache_swaps_its_resident_blocks_and_refuses_the_others():
+    host = HostBackend(capacity_bytes=1 << 26, vmm_granularity=4096)
+    cache = PagedKvCache(MIXED, 64, host, elastic=True)
+    tier = HostTier(cache, 4, host)
+    try:
+        blocks = cache.alloc_blocks(2)
+        written = _fill(cache, blocks, host, seed=9)
+        h = tier.alloc(2)
+        tier.swap_out(blocks, h, 0).wait()
+        back = cache.alloc_blocks(2)
+        tier.swap_in(h, back, 0).wait()
+        for (layer, block), (k, v) in written.items():
+            got = cache.read_block(layer, back[blocks.index(block)], host)
+            assert np.array_equal(got[0], k) and np.array_equal(got[1], v)
+        top = cache.num_blocks() - 1
+        with pytest.raises(IndexError, match=f"block {top} is not resident"):
+            tier.swap_in(h[:1], [top], 0)
+    finally:
+        tier.release(host)
+        cache.release(host)
