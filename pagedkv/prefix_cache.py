@@ -200,7 +200,11 @@ class PrefixCache:
     next delivery (the next public call, or `deliver_events()`).
 
     One thread at a time: every public method (and the table's) checks a shared guard and
-    raises `ConcurrentUseError`, changing nothing, when another thread is inside."""
+    raises `ConcurrentUseError`, changing nothing, when another thread is inside.
+
+    With `host_tier`, evicted blocks are demoted into it rather than dropped (see the module
+    docstring); `num_cached_blocks`, `is_cached`, `block_hash` and `block_references` speak
+    of the device tier, `num_host_blocks` of the host tier."""
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,
                  host_tier: "HostTier | None" = None, swap_stream: object = 0):

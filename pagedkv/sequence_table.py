@@ -12,7 +12,9 @@ remembers a sequence's ids up to its first token given only as a count, and only
 wholly inside that known run are ever offered to the prefix cache. A sequence whose window
 has dropped a block is never offered (its chain no longer starts at the prompt).
 
-Every `add`/`append` is all-or-nothing: on any error every count is as it was.
+Every `add`/`append` is all-or-nothing: on any error every count is as it was. With a
+prefix cache over a host tier, `add` promotes the host-resident part of its match (one
+`swap_in` on the table's stream) under the same rule.
 """
 
 from __future__ import annotations
