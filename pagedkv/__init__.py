@@ -25,6 +25,7 @@ from .errors import (
 )
 from .guard import ConcurrentUseError
 from .host_backend import HostBackend
+from .host_tier import HostTier, SwapHandle
 from .kv_rows import SKIP_SLOT
 from .pools import ElasticMapping, KvPools
 from .prefix_cache import (
@@ -35,6 +36,7 @@ from .prefix_cache import (
     PrefixCacheEvent,
     PrefixCacheStats,
     PrefixMatch,
+    TieredMatch,
     chain_hash,
     root_hash,
 )
@@ -65,6 +67,7 @@ __all__ = [
     "GROUP_SIZE",
     "GpuBackend",
     "HostBackend",
+    "HostTier",
     "KvCacheConfig",
     "KvCacheDtype",
     "KvCacheError",
@@ -86,8 +89,10 @@ __all__ = [
     "SKIP_SLOT",
     "SequenceTable",
     "SideFormat",
+    "SwapHandle",
     "Teardown",
     "TeardownError",
+    "TieredMatch",
     "accepted_names",
     "chain_hash",
     "flags",

@@ -24,6 +24,13 @@ Names (`CAPABILITIES` maps each to what it promises):
   pointers (the DLPack device type of a pool view). At most one is true. A "device:cpu"
   backend's pointers are host addresses, unless it also states "host_view" (HostBackend:
   its addresses are its own, and `view` gives the bytes).
+- "host_tier": what a host tier of KV blocks (`pagedkv.host_tier.HostTier`) needs:
+  `alloc_swap_memory(nbytes)` (host memory the batched copy reaches: an object with
+  `.address`, `.nbytes`, `.array`, `free()` and `freed`), `copy_batch_async(dsts, srcs,
+  sizes, stream)` (every listed range copied in ONE backend call on `stream`, each range
+  inside one live device allocation or one live swap memory, everything checked before
+  anything is enqueued) and events: `record_event(stream)`, `event_done(event)`,
+  `wait_event(event)`, `stream_wait_event(stream, event)`, `destroy_event(event)`.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ CAPABILITIES: dict[str, str] = {
     "stream_wait": "make_stream_wait(waiting, on) across streams",
     "host_view": "view(ptr, nbytes): device bytes as a host numpy array",
     "vmm": "vmm_granularity, reserve_address, map_chunk, unmap_chunk and release_address (elastic pools)",
+    "host_tier": "alloc_swap_memory, copy_batch_async and events (a host tier's batched swaps)",
     "device:cpu": "device pointers are host addresses, or reached through view() with host_view (DLPack kDLCPU)",
     "device:cuda": "device pointers are CUDA device memory (DLPack kDLCUDA, device_ordinal)",
     "device:rocm": "device pointers are ROCm device memory (DLPack kDLROCM, device_ordinal)",

@@ -55,13 +55,17 @@ class HostBackend:
         self._arrays: dict[int, np.ndarray] = {}
         self._streams = {0}
         self._next_stream = 1
+        self._swap: dict[int, HostSwapMemory] = {}  # live swap memory by address
+        self._swap_bases: list[int] = []  # sorted addresses of live swap memory
+        self._events: set[int] = set()
+        self._next_event = 1
 
-    SUPPORTED = frozenset({"batched_copy", "host_view", "vmm", "device:cpu"})
+    SUPPORTED = frozenset({"batched_copy", "host_view", "vmm", "host_tier", "device:cpu"})
     """The capabilities HostBackend states (see pagedkv.capabilities)."""
 
     def supports(self, name: str) -> bool:
-        """True for "batched_copy", "host_view", "vmm" and "device:cpu"; ValueError for an
-        unknown name."""
+        """True for "batched_copy", "host_view", "vmm", "host_tier" and "device:cpu";
+        ValueError for an unknown name."""
         return check_capability_name(name) in self.SUPPORTED
 
     # -- memory ---------------------------------------------------------------------
@@ -75,7 +79,7 @@ class HostBackend:
                 f"HostBackend out of memory: asked {nbytes} bytes ({_gib(nbytes)}), "
                 f"{free} bytes ({_gib(free)}) free of {self._capacity}"
             )
-        base = self._next_address
+        base = self._next_address = self._past_swap_memory(self._next_address, nbytes, ALIGNMENT)
         self._next_address += -(-nbytes // ALIGNMENT) * ALIGNMENT + ALIGNMENT  # guard gap
         self._arrays[base] = np.zeros(nbytes, dtype=np.uint8)
         bisect.insort(self._bases, base)
@@ -259,7 +263,7 @@ class HostBackend:
         (a ceiling may exceed the device); DeviceOutOfMemory, nothing reserved, when the host
         cannot give the lazily zeroed array that emulates the range."""
         granularity = self._vmm.granularity
-        base = -(-self._next_address // granularity) * granularity
+        base = self._past_swap_memory(-(-self._next_address // granularity) * granularity, nbytes, granularity)
         self._vmm.reserve(base, nbytes)
         self._next_address = base + nbytes + granularity  # guard gap; addresses never reused
         return DevicePtr(base)
@@ -290,6 +294,205 @@ class HostBackend:
         reservation = self._vmm.release(ptr)
         self._used -= reservation.mapped_bytes()
 
+
+    # -- host tier: swap memory, one batched copy per call, events ---------------------
+
+    def alloc_swap_memory(self, nbytes: int) -> "HostSwapMemory":
+        """`nbytes` (a positive int, else ValueError naming it) of zeroed host memory that
+        `copy_batch_async` reaches: a numpy array, its data pointer the `address`. It costs
+        no device capacity; DeviceOutOfMemory when the host cannot give it."""
+        nbytes = positive_int(nbytes, "swap memory size")
+        refused = []  # arrays landing on emulated addresses, kept until one lands elsewhere
+        while True:
+            try:
+                array = np.zeros(nbytes, dtype=np.uint8)
+            except (MemoryError, ValueError) as err:
+                raise DeviceOutOfMemory(f"HostBackend cannot allocate {nbytes} bytes of swap memory: {err}") from None
+            if not self._overlaps_emulated(int(array.ctypes.data), nbytes):
+                break
+            refused.append(array)
+            if len(refused) == 16:
+                raise DeviceOutOfMemory(f"HostBackend: {nbytes} bytes of swap memory keep landing on emulated addresses")
+        memory = HostSwapMemory(self, array)
+        self._swap[memory.address] = memory
+        bisect.insort(self._swap_bases, memory.address)
+        return memory
+
+    def _past_swap_memory(self, base: int, nbytes: int, alignment: int) -> int:
+        """The first `alignment`-aligned address from `base` whose `nbytes` overlap no live
+        swap memory: its addresses are real host addresses, which may lie where this
+        backend's own emulated addresses grow, and one address must mean one range."""
+        moved = True
+        while moved:
+            moved = False
+            for memory in self._swap.values():
+                if base < memory.address + memory.nbytes and memory.address < base + max(nbytes, 1):
+                    base = -(-(memory.address + memory.nbytes + ALIGNMENT) // alignment) * alignment
+                    moved = True
+        return base
+
+    def _overlaps_emulated(self, address: int, nbytes: int) -> bool:
+        """True when `[address, address + nbytes)` meets a live allocation or reservation."""
+        i = bisect.bisect_left(self._bases, address + nbytes) - 1
+        if i >= 0 and self._bases[i] + self._arrays[self._bases[i]].nbytes > address:
+            return True
+        vmm = self._vmm
+        j = bisect.bisect_left(vmm._bases, address + nbytes) - 1
+        return j >= 0 and vmm._bases[j] + vmm._reservations[vmm._bases[j]].size > address
+
+    def _forget_swap(self, memory: "HostSwapMemory") -> None:
+        del self._swap[memory.address]
+        self._swap_bases.remove(memory.address)
+
+    def live_swap_memory(self) -> int:
+        """How many swap memories are live (allocated and not freed)."""
+        return len(self._swap)
+
+    def _range_view(self, address: int, nbytes: int, i: int, what: str) -> np.ndarray:
+        """The bytes of one `copy_batch_async` range: inside one live swap memory, or inside
+        one live allocation; IndexError naming entry `i` and the address otherwise."""
+        j = bisect.bisect_right(self._swap_bases, address) - 1
+        if j >= 0:
+            memory = self._swap[self._swap_bases[j]]
+            start = address - memory.address
+            if start + nbytes <= memory.nbytes and start < memory.nbytes:
+                return memory.array[start : start + nbytes]
+        base = self._find(address)
+        if base is not None:
+            arr = self._arrays[base]
+            start = address - base
+            if start + nbytes <= arr.nbytes:
+                return arr[start : start + nbytes]
+        reservation = self._vmm.find(address)
+        if reservation is not None:
+            try:
+                return self._vmm.view(reservation, address, nbytes)
+            except DeviceMemoryError:
+                pass  # unmapped or past the reservation: refused below
+        raise IndexError(
+            f"copy_batch_async entry {i}: {what} range 0x{address:x} + {nbytes} bytes is not inside "
+            "one live allocation or swap memory"
+        )
+
+    def copy_batch_async(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int) -> None:
+        """Copy `sizes[i]` bytes from `srcs[i]` to `dsts[i]` for every i, as one call on
+        `stream` (it runs now). Each range must lie inside one live allocation or one live
+        swap memory (IndexError naming i and the address); destination ranges that overlap
+        each other or a source raise ValueError; all checked before any byte moves. n == 0
+        does nothing."""
+        self._check_stream(stream)
+        dst, src, size = _batch_arrays(dsts, srcs, sizes)
+        views = []
+        for i in range(dst.size):
+            nbytes = int(size[i])
+            views.append((self._range_view(int(dst[i]), nbytes, i, "destination"),
+                          self._range_view(int(src[i]), nbytes, i, "source")))
+        _check_batch_overlap(dst, src, size)
+        for out, data in views:
+            out[:] = data
+
+    def record_event(self, stream: int) -> int:
+        """An event recorded on `stream` now; work runs at once, so it is done already."""
+        self._check_stream(stream)
+        event = self._next_event
+        self._next_event += 1
+        self._events.add(event)
+        return event
+
+    def _check_event(self, event: int) -> None:
+        if isinstance(event, bool) or not isinstance(event, (int, np.integer)) or int(event) not in self._events:
+            raise ValueError(f"unknown event {event!r}: not recorded by record_event, or destroyed")
+
+    def event_done(self, event: int) -> bool:
+        """True (everything ran when it was called); ValueError for an unknown event."""
+        self._check_event(event)
+        return True
+
+    def wait_event(self, event: int) -> None:
+        """Nothing to wait for; ValueError for an unknown event."""
+        self._check_event(event)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Nothing to order (work runs at once); checks the stream and the event."""
+        self._check_stream(stream)
+        self._check_event(event)
+
+    def destroy_event(self, event: int) -> None:
+        """Forget `event`; ValueError naming an unknown or already destroyed one."""
+        self._check_event(event)
+        self._events.discard(int(event))
+
+    def live_events(self) -> int:
+        """How many events are recorded and not destroyed."""
+        return len(self._events)
+
+
+class HostSwapMemory:
+    """HostBackend's swap memory: `array` (writable uint8 numpy), `address` (its data
+    pointer), `nbytes`; `free()` forgets it (a second call does nothing), `freed` says so."""
+
+    def __init__(self, backend: HostBackend, array: np.ndarray):
+        self._backend = backend
+        self.array = array
+        self.address = int(array.ctypes.data)
+        self.nbytes = int(array.nbytes)
+        self.freed = False
+
+    def free(self) -> None:
+        """Give the memory back; later batched copies refuse its ranges. Idempotent."""
+        if not self.freed:
+            self.freed = True
+            self._backend._forget_swap(self)
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "live"
+        return f"HostSwapMemory(0x{self.address:x}, {self.nbytes} bytes, {state})"
+
+
+def _batch_arrays(dsts, srcs, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`copy_batch_async`'s three lists as int64 arrays of one length; ValueError naming a
+    list that is not 1-D ints, a negative entry or unequal lengths."""
+    out = []
+    for name, values in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
+        arr = np.asarray(values)
+        if arr.size == 0:
+            arr = np.zeros(0, np.int64)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"copy_batch_async {name} must be a 1-D sequence of ints, got {values!r:.80}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"copy_batch_async {name} holds {int(arr.max())}, beyond any address")
+        arr = arr.astype(np.int64)
+        if arr.size and arr.min() < 0:
+            i = int(np.argmin(arr))
+            raise ValueError(f"copy_batch_async {name}[{i}] is negative: {int(arr[i])}")
+        out.append(arr)
+    if not out[0].size == out[1].size == out[2].size:
+        raise ValueError(
+            f"copy_batch_async needs equal lengths, got {out[0].size} dsts, {out[1].size} srcs, {out[2].size} sizes"
+        )
+    return out[0], out[1], out[2]
+
+
+def _check_batch_overlap(dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> None:
+    """ValueError when two destination ranges overlap, or a destination overlaps a source
+    (zero-byte ranges overlap nothing)."""
+    keep = size > 0
+    dst, src, size = dst[keep], src[keep], size[keep]
+    if dst.size == 0:
+        return
+    order = np.argsort(dst, kind="stable")
+    starts, ends = dst[order], dst[order] + size[order]
+    clash = np.flatnonzero(starts[1:] < ends[:-1])
+    if clash.size:
+        a, b = int(order[clash[0]]), int(order[clash[0] + 1])
+        raise ValueError(f"copy_batch_async destinations {a} and {b} overlap (0x{int(dst[a]):x} and 0x{int(dst[b]):x})")
+    s_order = np.argsort(src, kind="stable")
+    s_starts, s_ends = src[s_order], np.maximum.accumulate(src[s_order] + size[s_order])
+    last = np.searchsorted(s_starts, ends, side="left") - 1  # the last source starting before each end
+    hit = (last >= 0) & (s_ends[np.maximum(last, 0)] > starts)
+    if hit.any():
+        i = int(order[np.flatnonzero(hit)[0]])
+        raise ValueError(f"copy_batch_async destination {i} (0x{int(dst[i]):x}, {int(size[i])} bytes) overlaps a source")
 
 
 def _host_address_space(granularity: int) -> HostAddressSpace:

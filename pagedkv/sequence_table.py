@@ -12,7 +12,9 @@ remembers a sequence's ids up to its first token given only as a count, and only
 wholly inside that known run are ever offered to the prefix cache. A sequence whose window
 has dropped a block is never offered (its chain no longer starts at the prompt).
 
-Every `add`/`append` is all-or-nothing: on any error every count is as it was.
+Every `add`/`append` is all-or-nothing: on any error every count is as it was. With a
+prefix cache over a host tier, `add` promotes the host-resident part of its match (one
+`swap_in` on the table's stream) under the same rule.
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ class SequenceTable:
                 raise TypeError(f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}")
             if cache.attached_prefix_cache() is not prefix_cache:
                 raise ValueError("prefix_cache is attached to a different PagedKvCache")
+            tier = prefix_cache.host_tier()
+            if tier is not None and gpu is not None and gpu is not tier.gpu():
+                raise ValueError("gpu is not the backend of the prefix cache's host tier")
         self._cache = cache
         self._prefix = prefix_cache
         self._gpu = gpu
@@ -208,7 +213,14 @@ class SequenceTable:
         compute). Raises ValueError for a duplicate id or a prompt longer than the window,
         KvCacheExhausted when blocks run out (nothing changed). A backend error while
         initialising new blocks frees them again; cached blocks the prefix cache evicted to
-        make room stay evicted (every count stays consistent)."""
+        make room stay evicted (every count stays consistent).
+
+        With a host tier, the match's continuation in host blocks is promoted before the
+        sequence uses it: device blocks allocated with the others, ONE `swap_in` on the
+        table's stream (the host waits for it when the table has no backend), and those
+        tokens count as matched. All or nothing: a failed promotion (no device blocks, a
+        swap error) leaves the sequence unadded, the host blocks cached and every count as
+        it was."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
@@ -225,29 +237,39 @@ class SequenceTable:
             )
         adapter_id = adapter_id_checked(adapter_id)
         found = PrefixMatch([], 0)
-        if self._prefix is not None and n > 1:
-            found = self._prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
+        prefix = self._prefix
+        if prefix is not None and n > 1:
+            found = prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
         blocks, matched = found
+        hosted = len(found.host_blocks)  # host-tier blocks to promote into fresh device blocks
+        if hosted:
+            prefix._pin(found)
         try:
             fresh = self._cache.alloc_blocks(needed - len(blocks))
         except BaseException:
             self._prefix_cancel(found)
             raise
         try:
-            self._init(fresh)
+            self._init(fresh[hosted:])
+            if hosted:
+                prefix._promote(found, fresh[:hosted], self._gpu, self._stream if self._gpu is not None
+                                else prefix._swap_stream, wait=self._gpu is None)
         except BaseException:
             self._cache.free_blocks(fresh)
             self._prefix_cancel(found)
             raise
-        if self._prefix is not None and n > 1:
-            self._prefix._confirm_checked(n - 1, found)
+        if prefix is not None and n > 1:
+            prefix._confirm_checked(n - 1, found)
+        matched += hosted * self._bs
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         seq.settle(self._bs)
         return matched
 
     def _prefix_cancel(self, found: PrefixMatch) -> None:
-        if self._prefix is not None and found.blocks:
-            self._prefix._cancel_checked(found)
+        if self._prefix is not None:
+            self._prefix._unpin(found)
+            if found.blocks:
+                self._prefix._cancel_checked(found)
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,

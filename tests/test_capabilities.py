@@ -32,7 +32,7 @@ class SaysCuda(HostBackend):
 
 def test_host_backend_states_its_capabilities():
     host = HostBackend(1 << 20)
-    assert {n for n in CAPABILITIES if host.supports(n)} == {"batched_copy", "host_view", "vmm", "device:cpu"}
+    assert {n for n in CAPABILITIES if host.supports(n)} == {"batched_copy", "host_view", "vmm", "host_tier", "device:cpu"}
     assert device_kind(host) == "cpu"
     with pytest.raises(ValueError, match="unknown backend capability 'pinnned'; known: pinned, batched_copy"):
         host.supports("pinnned")

@@ -160,7 +160,7 @@ def test_demo_passes_on_host(capsys):
     out = capsys.readouterr().out
     assert "on HostBackend" in out
     assert "[FAIL]" not in out
-    assert out.rstrip().splitlines()[-1].startswith("demo: 10 passed, 0 failed")
+    assert out.rstrip().splitlines()[-1].startswith("demo: 11 passed, 0 failed")
 
 
 class _BitFlippingBackend(HostBackend):
@@ -220,7 +220,7 @@ def test_demo_skips_the_checks_that_need_a_failed_one(capsys):
         "  [skip] poison and free: needs 'allocate and share', which did not pass",
     ]
     assert sum("[FAIL]" in line for line in lines) == 1 and not any("KeyError" in line for line in lines)
-    assert lines[-1].startswith("demo: 6 passed, 1 failed, 3 skipped")
+    assert lines[-1].startswith("demo: 7 passed, 1 failed, 3 skipped")
 
 
 def test_demo_into_a_closed_pipe_ends_quietly():
@@ -239,7 +239,7 @@ def test_demo_runs_with_assertions_off():
     proc = subprocess.run([sys.executable, "-O", "-m", "pagedkv", "demo", "--layers", "2", "--blocks", "16"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1].startswith("demo: 10 passed, 0 failed")
+    assert proc.stdout.splitlines()[-1].startswith("demo: 11 passed, 0 failed")
 
 
 def test_no_assert_statement_in_the_package():

@@ -2,8 +2,9 @@
 
 It builds a model-shaped cache, runs a small serving-like cycle (sequences allocating,
 sharing blocks by reference, freeing), zeroes and poisons blocks, writes and reads KV back,
-runs the checksum diagnostics, builds a hybrid cache of mixed formats and dims, and
-releases everything. Each step is a check; the exit status is non-zero if any fails.
+runs the checksum diagnostics, builds a hybrid cache of mixed formats and dims, evicts a
+cached prompt into a host tier and serves it back from there (on a backend stating
+"host_tier"), and releases everything. Each step is a check; the exit status is non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import numpy as np
 import structlog
 
 from ..backend import GpuBackend
+from ..capabilities import backend_supports
 from ..cache import POISON_BYTE, PagedKvCache
 from ..config import KvCacheConfig
 from ..errors import DeviceOutOfMemory, PagedKvError
 from ..host_backend import HostBackend, bf16_bytes_to_float64
+from ..host_tier import HostTier
 from ..prefix_cache import PrefixCache
 from ..sequence_table import SequenceTable
 from ..teardown import Teardown
@@ -295,6 +298,63 @@ def _hybrid_cache(gpu: GpuBackend, stream: int, checks: Checks) -> None:
     checks.run("tokens through every format", tokens)
 
 
+def _host_tier(gpu: GpuBackend, stream: int, checks: Checks) -> None:
+    """A prompt's cached blocks evicted from the device into a host tier, then served back to
+    a new sequence from there with identical KV bytes."""
+    if not backend_supports(gpu, "host_tier"):
+        print(f"  [n/a]  host tier: {type(gpu).__name__} does not state 'host_tier'")
+        return
+    config = KvCacheConfig(block_size=16, num_kv_heads=2, head_dim=64, num_layers=3, dtype="bf16k_turbo4v",
+                           layer_dtypes=("bf16", "fp8k_turbo3v", "nvfp4"))
+    prompt = list(range(3000, 3065))  # 4 full blocks and one token
+
+    def evict_and_serve() -> str:
+        cache = PagedKvCache(config, 8, gpu)
+        tier = prefix = table = None
+        try:
+            tier = HostTier(cache, 8, gpu)
+            prefix = PrefixCache(cache, host_tier=tier, swap_stream=stream)
+            table = SequenceTable(cache, prefix, gpu, stream)
+            table.add("a", prompt)
+            rng = np.random.default_rng(3)
+            written = {}
+            for layer in range(config.num_layers):
+                for block in table.blocks("a")[:4]:
+                    k = rng.integers(0, 256, cache.k_block_stride_bytes_for_layer(layer), dtype=np.uint8)
+                    v = rng.integers(0, 256, cache.v_block_stride_bytes_for_layer(layer), dtype=np.uint8)
+                    cache.write_block(layer, block, k, v, gpu)
+                    written.setdefault(block, []).append((k, v))
+            order = table.blocks("a")[:4]
+            table.free("a")
+            demoted = prefix.evict(cache.num_blocks())
+            _expect(sorted(demoted) == sorted(order), f"evicted {demoted}, expected {order}")
+            _expect(prefix.num_cached_blocks() == 0 and prefix.num_host_blocks() == 4,
+                    f"{prefix.num_cached_blocks()} device and {prefix.num_host_blocks()} host blocks cached")
+            matched = table.add("b", prompt)
+            _expect(matched == 64, f"seq b matched {matched} tokens, expected 64 from the host tier")
+            gpu.synchronize(stream)
+            for old, new in zip(order, table.blocks("b")[:4]):
+                for layer, (k, v) in enumerate(written[old]):
+                    got_k, got_v = cache.read_block(layer, new, gpu)
+                    _expect(np.array_equal(got_k, k) and np.array_equal(got_v, v),
+                            f"layer {layer}: block {old} served back into block {new} differs")
+            stats = prefix.stats()
+            _expect((stats.demotions, stats.promotions, stats.host_hit_tokens) == (4, 4, 64), f"{stats}")
+            table.free("b")
+            table.check_invariants()
+        finally:
+            if table is not None:
+                table.release(gpu)
+            if prefix is not None:
+                prefix.close()
+            if tier is not None:
+                tier.release(gpu)
+            cache.release(gpu)
+        return "a prompt's 4 blocks evicted to the host tier, then served to a new sequence from it; KV bytes identical"
+
+    checks.run("host tier", evict_and_serve)
+
+
 # Bounds on the relative MSE of a token round trip, ~3x FORMATS.md's unit-Gaussian figures.
 _MAX_REL_MSE = {"bf16": 1e-4, "fp8": 3e-3, "nvfp4": 0.03, "turbo4": 0.02, "turbo3": 0.075, "turbo2": 0.4, "turbo8": 3e-3}
 
@@ -339,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
             _serving_cycle(cache, gpu, stream, checks)
             _sequences(gpu, stream, checks)
             _hybrid_cache(gpu, stream, checks)
+            _host_tier(gpu, stream, checks)
         finally:
             checks.run("teardown", lambda: teardown.release_all(gpu))
             if isinstance(gpu, HostBackend):
@@ -357,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
 def _no_leak(gpu: HostBackend) -> str:
     live = gpu.live_allocations()
     _expect(live == 0, f"{live} allocations ({gpu.live_bytes()} bytes) live")
+    swap, events = gpu.live_swap_memory(), gpu.live_events()
+    _expect(swap == 0 and events == 0, f"{swap} swap memories and {events} events live")
     return "HostBackend reports 0 live allocations"
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..capabilities import backend_supports
 from . import protocol_rules  # noqa: F401 - importing registers the rules, protocol first
+from . import tier_rules  # noqa: F401,I001 - its protocol rules, then its cache rule
 from . import cache_rules  # noqa: F401,I001
 from .registry import RULES, ConformanceFailure, Rule, RuleNotApplicable
 from .report import FAILED, PASSED, SKIPPED, ConformanceReport, RuleResult

@@ -1,0 +1,397 @@
+"""HostTier: a pool of host blocks beside a PagedKvCache, filled and read back by batched swaps.
+
+The tier holds, for every row of the cache's region table (each layer's K pool, then its V
+pool; one row under `v_aliases_k`), one swap memory (`alloc_swap_memory`: pinned and mapped
+on CudaBackend, numpy on HostBackend) of `num_blocks` blocks with the device pool's stride.
+Host block h of row r lives at `memory[r].address + h * stride[r]`, so mixed per-layer formats
+and dims keep their own strides.
+
+Bookkeeping: a free list of host blocks (handed out lowest first) and an LRU of the host
+blocks that hold cached KV (oldest first). A block is free, allocated, or allocated and
+cached; the tier never decides on its own what to drop: the owner (a PrefixCache) does.
+
+A swap moves every row's bytes of the listed blocks in ONE `copy_batch_async` call: pairs
+are sorted by device block and runs contiguous on both sides merged into one range per row.
+Worked example, 2 rows of strides 512 and 256: `swap_out([4, 5, 9], [0, 1, 2])` gives
+4 ranges (rows x runs [4, 5] -> [0, 1] and [9] -> [2]): 1024 and 512 bytes in row 0, 512
+and 256 in row 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from .backend import GpuBackend
+from .cache import PagedKvCache
+from .capabilities import require
+from .errors import KvCacheError, KvCacheExhausted, RefCountError
+from .log import get_logger
+from .streams import stream_handle
+from .validate import block_list, index_in_range, non_negative_int, positive_int
+
+_log = get_logger("host_tier")
+
+
+class Event(NamedTuple):
+    """An event handle from the backend's `record_event`, wrapped so that `after=` can tell
+    it from a stream handle (both are ints). The caller still owns (and destroys) it."""
+
+    handle: int
+
+
+class SwapHandle:
+    """The completion of one swap: `done()` polls, `wait()` blocks, both through the
+    backend's events. The event is destroyed exactly once: when `done()` first answers True,
+    when `wait()` returns, or by `close()` (which waits first). A swap of no blocks has no
+    event and is done at once."""
+
+    def __init__(self, gpu: Any, event: int | None, blocks: int):
+        self._gpu = gpu
+        self._event = event
+        self.blocks = blocks
+        """How many blocks the swap moved."""
+
+    def event(self) -> int | None:
+        """The live event recorded after the copy, or None once it is known complete."""
+        return self._event
+
+    def done(self) -> bool:
+        """True when the copy has finished (never blocks)."""
+        if self._event is None:
+            return True
+        if not self._gpu.event_done(self._event):
+            return False
+        self._destroy()
+        return True
+
+    def wait(self) -> None:
+        """Block until the copy has finished."""
+        if self._event is not None:
+            self._gpu.wait_event(self._event)
+            self._destroy()
+
+    close = wait
+
+    def _destroy(self) -> None:
+        event, self._event = self._event, None
+        self._gpu.destroy_event(event)
+
+    def __repr__(self) -> str:
+        return f"SwapHandle({self.blocks} blocks, {'done' if self._event is None else 'pending'})"
+
+
+class HostTier:
+    """Host blocks with the layout of `cache`'s pools, on `gpu` (the cache's backend, which
+    must state "host_tier": BackendFeatureMissing otherwise). Construction is all or
+    nothing: a failed allocation frees what was allocated. `release(gpu)` frees the memory.
+    One thread at a time, like the cache it serves."""
+
+    def __init__(self, cache: PagedKvCache, num_blocks: int, gpu: GpuBackend):
+        if not isinstance(cache, PagedKvCache):
+            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        require(gpu, "host_tier", "HostTier")
+        try:
+            cache.pools().check_backend(gpu)
+        except KvCacheError:
+            raise ValueError(
+                f"HostTier's gpu {type(gpu).__name__} {gpu!r:.60} is not the backend the cache was built on"
+            ) from None
+        self._num_blocks = positive_int(num_blocks, "host tier num_blocks")
+        self._cache = cache
+        self._gpu = gpu
+        regions = cache.block_regions()
+        self._device_bases = regions.bases.astype(np.int64).copy()
+        self._strides = regions.strides.astype(np.int64).copy()
+        self._nbytes = regions.nbytes.astype(np.int64).copy()
+        self._memories: list[Any] = []  # one per region row; kept while a free fails
+        try:
+            for stride in self._strides.tolist():
+                self._memories.append(gpu.alloc_swap_memory(self._num_blocks * stride))
+        except BaseException:
+            self._free_memories(raise_first=False)
+            raise
+        self._host_bases = np.array([m.address for m in self._memories], dtype=np.int64)
+        self._free: list[int] = list(range(self._num_blocks))  # a min-heap
+        self._allocated = np.zeros(self._num_blocks, dtype=bool)
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._pending: list[tuple[SwapHandle, list[int]]] = []  # freed once their swap is done
+        self._live = True
+        _log.info("host_tier_allocated", blocks=self._num_blocks, rows=len(self._memories),
+                  bytes=int(self._strides.sum()) * self._num_blocks)
+
+    # -- facts ------------------------------------------------------------------------
+
+    def num_blocks(self) -> int:
+        """Host blocks in the tier."""
+        return self._num_blocks
+
+    def num_free_blocks(self) -> int:
+        """Host blocks not allocated (including those waiting for a swap to finish reading them)."""
+        return len(self._free) + sum(len(blocks) for _, blocks in self._pending)
+
+    def gpu(self) -> GpuBackend:
+        """The backend the tier's memory is on."""
+        return self._gpu
+
+    def cache(self) -> PagedKvCache:
+        """The device cache whose layout the tier mirrors."""
+        return self._cache
+
+    def block_bytes(self) -> int:
+        """Bytes of one host block over every row (the cache's block bytes over all layers)."""
+        return int(self._strides.sum())
+
+    def is_live(self) -> bool:
+        """True until `release`."""
+        return self._live
+
+    # -- free list ----------------------------------------------------------------------
+
+    def alloc(self, n: int) -> list[int]:
+        """Take `n` free host blocks (lowest first). Blocks waiting for a swap that reads
+        them are reclaimed first (waiting for it when needed). KvCacheExhausted, nothing
+        taken, when fewer than `n` are free."""
+        n = non_negative_int(n, "number of host blocks")
+        self._check_live()
+        self._reap(wait=len(self._free) < n)
+        if n > len(self._free):
+            raise KvCacheExhausted(f"host tier: {n} block(s) asked, {len(self._free)} of {self._num_blocks} free")
+        taken = [heapq.heappop(self._free) for _ in range(n)]
+        self._allocated[taken] = True
+        return taken
+
+    def free(self, blocks: Sequence[int], after: SwapHandle | None = None) -> None:
+        """Give allocated host blocks back (they leave the LRU). With `after`, a swap still
+        reading them, they become free only once it is done. Checked before anything
+        changes: a free or repeated block raises naming it."""
+        blocks = self._host_blocks(blocks, "free")
+        self._check_allocated(blocks, "free of")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"host tier free lists a block twice: {blocks}")
+        for block in blocks:
+            self._lru.pop(block, None)
+        self._allocated[blocks] = False
+        if after is not None and not after.done():
+            self._pending.append((after, blocks))
+        else:
+            for block in blocks:
+                heapq.heappush(self._free, block)
+
+    def _reap(self, wait: bool) -> None:
+        kept = []
+        for handle, blocks in self._pending:
+            if wait:
+                handle.wait()
+            if handle.done():
+                for block in blocks:
+                    heapq.heappush(self._free, block)
+            else:
+                kept.append((handle, blocks))
+        self._pending = kept
+
+    # -- the LRU of cached host blocks --------------------------------------------------
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Mark allocated host blocks as holding cached KV, used now, in the order given
+        (the last is the most recent)."""
+        blocks = self._host_blocks(blocks, "touch")
+        self._check_allocated(blocks, "touch of")
+        lru = self._lru
+        for block in blocks:
+            lru[block] = None
+            lru.move_to_end(block)
+
+    def uncache(self, blocks: Sequence[int]) -> None:
+        """Take host blocks out of the LRU (they stay allocated)."""
+        for block in self._host_blocks(blocks, "uncache"):
+            self._lru.pop(block, None)
+
+    def is_cached(self, block: int) -> bool:
+        """True when host block `block` is in the LRU."""
+        return block in self._lru
+
+    def lru_blocks(self) -> list[int]:
+        """The cached host blocks, least recently used first."""
+        return list(self._lru)
+
+    def oldest(self):
+        """An iterator over the cached host blocks, least recently used first (lazy: do not
+        change the LRU while iterating)."""
+        return iter(self._lru)
+
+    def num_cached_blocks(self) -> int:
+        """How many host blocks hold cached KV."""
+        return len(self._lru)
+
+    # -- swaps --------------------------------------------------------------------------
+
+    def swap_out(self, device_blocks: Sequence[int], host_blocks: Sequence[int], stream: Any,
+                 after: Any = None) -> SwapHandle:
+        """Copy every row's bytes of device block `device_blocks[i]` into host block
+        `host_blocks[i]`, in ONE `copy_batch_async` on `stream`, after `after` (a stream, an
+        `Event`, or a SwapHandle; the KV's producer) so it never reads KV before the work that
+        wrote it. Device blocks must be allocated (count > 0); host blocks allocated, distinct
+        and not cached. Every check runs before anything is enqueued. Returns the handle."""
+        device, host = self._pairs(device_blocks, host_blocks, "swap_out")
+        allocator = self._cache.allocator()
+        for block in device:
+            if allocator.ref_count(block) == 0:
+                raise RefCountError(f"swap_out of free device block {block} (count 0): it holds no KV")
+        self._check_distinct(host, "swap_out host destinations")
+        self._check_allocated(host, "swap_out into")
+        cached = [b for b in host if b in self._lru]
+        if cached:
+            raise KvCacheError(f"swap_out into host block {cached[0]}, which holds cached KV: free it first")
+        return self._swap(device, host, stream, after, to_host=True)
+
+    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int], stream: Any,
+                after: Any = None) -> SwapHandle:
+        """Copy every row's bytes of host block `host_blocks[i]` over device block
+        `device_blocks[i]`, in ONE `copy_batch_async` on `stream`, after `after` (a stream,
+        an `Event` or a SwapHandle). Host blocks must be allocated; device blocks distinct,
+        held by the caller and not in the prefix cache (the cache's write rule). Every check
+        runs before anything is enqueued. Returns the handle; work enqueued later on
+        `stream` sees the bytes."""
+        device, host = self._pairs(device_blocks, host_blocks, "swap_in")
+        self._check_distinct(device, "swap_in device destinations")
+        self._cache.allocator().check_writable(device)
+        self._check_allocated(host, "swap_in from")
+        return self._swap(device, host, stream, after, to_host=False)
+
+    def _pairs(self, device_blocks: Sequence[int], host_blocks: Sequence[int], verb: str) -> tuple[list[int], list[int]]:
+        self._check_live()
+        device = self._cache.allocator().blocks(device_blocks, f"{verb} device_blocks")
+        if device:
+            self._cache.pools().check_resident(max(device))
+        host = self._host_blocks(host_blocks, verb)
+        if len(device) != len(host):
+            raise ValueError(f"{verb} needs as many device as host blocks, got {len(device)} and {len(host)}")
+        return device, host
+
+    def _swap(self, device: list[int], host: list[int], stream: Any, after: Any, to_host: bool) -> SwapHandle:
+        gpu = self._gpu
+        if not device:
+            return SwapHandle(gpu, None, 0)
+        device_addr, host_addr, sizes = self.descriptors(device, host)
+        dsts, srcs = (host_addr, device_addr) if to_host else (device_addr, host_addr)
+        self._wait_for(after, stream)
+        gpu.copy_batch_async(dsts, srcs, sizes, stream)
+        return SwapHandle(gpu, gpu.record_event(stream), len(device))
+
+    def _wait_for(self, after: Any, stream: Any) -> None:
+        """Make `stream` wait for `after`: a SwapHandle, an Event, or a stream."""
+        gpu = self._gpu
+        if after is None:
+            return
+        if isinstance(after, SwapHandle):
+            if after.event() is not None:
+                gpu.stream_wait_event(stream, after.event())
+            return
+        if isinstance(after, Event):
+            gpu.stream_wait_event(stream, after.handle)
+            return
+        if stream_handle(after) == stream_handle(stream):
+            return  # work on one stream is already in order
+        event = gpu.record_event(after)
+        try:
+            gpu.stream_wait_event(stream, event)
+        finally:
+            gpu.destroy_event(event)
+
+    def descriptors(self, device: Sequence[int], host: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(device addresses, host addresses, sizes) of the ranges one swap of the pairs
+        `(device[i], host[i])` copies: pairs sorted by device block, runs contiguous on both
+        sides merged, one range per run per row (row-major). Indices must be valid."""
+        d = np.asarray(device, dtype=np.int64)
+        h = np.asarray(host, dtype=np.int64)
+        order = np.argsort(d, kind="stable")
+        d, h = d[order], h[order]
+        breaks = np.flatnonzero((np.diff(d) != 1) | (np.diff(h) != 1)) + 1
+        starts = np.concatenate([[0], breaks])
+        lengths = np.diff(np.concatenate([starts, [d.size]]))
+        d0, h0 = d[starts], h[starts]
+        strides, nbytes = self._strides[:, None], self._nbytes[:, None]
+        device_addr = self._device_bases[:, None] + d0[None, :] * strides
+        host_addr = self._host_bases[:, None] + h0[None, :] * strides
+        sizes = (lengths[None, :] - 1) * strides + nbytes
+        return device_addr.reshape(-1), host_addr.reshape(-1), sizes.reshape(-1)
+
+    # -- reading host blocks ------------------------------------------------------------
+
+    def read_block(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K bytes, V bytes) of host block `block` in `layer` (copies, each its side's
+        stride long; V is K's copy under `v_aliases_k`). Wait for the swap that wrote it first."""
+        self._check_live()
+        block = index_in_range(block, self._num_blocks, "host block", f"a host tier of {self._num_blocks} blocks")
+        cache = self._cache
+        out = []
+        for side in ("K", "V"):
+            row = cache.region_index(layer, side)
+            stride = int(self._strides[row])
+            out.append(self._memories[row].array[block * stride : (block + 1) * stride].copy())
+        return out[0], out[1]
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        if not self._live:
+            raise KvCacheError("the host tier has been released")
+
+    def _host_blocks(self, blocks: Sequence[int], verb: str) -> list[int]:
+        try:
+            return block_list(blocks, self._num_blocks, f"{verb} host_blocks")
+        except IndexError as err:
+            raise IndexError(f"{verb}: host {err} (the host tier's size)") from None
+
+    def _check_allocated(self, blocks: list[int], what: str) -> None:
+        if blocks:
+            free = np.flatnonzero(~self._allocated[blocks])
+            if free.size:
+                raise RefCountError(f"{what} free host block {blocks[int(free[0])]}: allocate it first")
+
+    @staticmethod
+    def _check_distinct(blocks: list[int], what: str) -> None:
+        if len(set(blocks)) != len(blocks):
+            seen: set[int] = set()
+            repeated = next(b for b in blocks if b in seen or seen.add(b))
+            raise ValueError(f"{what} repeat block {repeated}: {blocks}")
+
+    # -- release ------------------------------------------------------------------------
+
+    def label(self) -> str:
+        """A short name for teardown messages."""
+        return f"HostTier({self._num_blocks} blocks x {len(self._strides)} rows)"
+
+    def release(self, gpu: GpuBackend) -> None:
+        """Wait for swaps still reading host blocks, then free every swap memory on `gpu`
+        (the tier's backend; ValueError otherwise, nothing freed). Every free is attempted;
+        one that fails stays recorded and the first error is raised, so a second call
+        retries it. With nothing left a call does nothing."""
+        if gpu is not self._gpu:
+            raise ValueError(f"release with {type(gpu).__name__} {gpu!r:.60}: the host tier is on "
+                             f"{type(self._gpu).__name__} {self._gpu!r:.60}")
+        if not self._memories and not self._live:
+            return
+        if self._live:
+            self._reap(wait=True)
+            self._live = False
+            self._lru.clear()
+            self._free = []
+        self._free_memories(raise_first=True)
+
+    def _free_memories(self, raise_first: bool) -> None:
+        kept, first = [], None
+        for memory in self._memories:
+            try:
+                memory.free()
+            except Exception as err:  # noqa: BLE001 - every memory must be attempted
+                kept.append(memory)
+                first = first or err
+                _log.error("host_tier_free_failed", memory=repr(memory), error=str(err))
+        self._memories = kept
+        if first is not None and raise_first:
+            raise first
