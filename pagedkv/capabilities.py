@@ -38,6 +38,7 @@ CAPABILITIES: dict[str, str] = {
     "stream_wait": "make_stream_wait(waiting, on) across streams",
     "host_view": "view(ptr, nbytes): device bytes as a host numpy array",
     "vmm": "vmm_granularity, reserve_address, map_chunk, unmap_chunk and release_address (elastic pools)",
+    "host_tier": "alloc_swap_memory, copy_batch_async and events (a host tier's batched swaps)",
     "device:cpu": "device pointers are host addresses, or reached through view() with host_view (DLPack kDLCPU)",
     "device:cuda": "device pointers are CUDA device memory (DLPack kDLCUDA, device_ordinal)",
     "device:rocm": "device pointers are ROCm device memory (DLPack kDLROCM, device_ordinal)",
