@@ -15,8 +15,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backend import DevicePtr
-
 _U64_MAX = 2**64 - 1
 
 
@@ -94,7 +92,7 @@ class AddressTable:
         if outside.size:
             i = int(outside[0])
             raise IndexError(
-                f"copy_batch_async range {int(index[i])}: {what} {DevicePtr(int(addresses[i]))!r} + {int(sizes[i])} bytes is not "
+                f"copy_batch_async range {int(index[i])}: {what} 0x{int(addresses[i]):x} + {int(sizes[i])} bytes is not "
                 "inside one live device allocation or swap memory of this backend"
             )
         return at
@@ -114,7 +112,7 @@ def check_overlaps(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, index:
         ia, ib = sorted((int(index[a]), int(index[b])))
         raise ValueError(
             f"copy_batch_async destinations of ranges {ia} and {ib} overlap "
-            f"(at {DevicePtr(int(dsts[b]))!r})"
+            f"(at 0x{int(dsts[b]):x})"
         )
     by_src = np.argsort(srcs, kind="stable")
     src_starts = srcs[by_src]
@@ -127,6 +125,6 @@ def check_overlaps(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, index:
         for j in by_src[: int(before[i])].tolist():
             if int(srcs[j]) + int(sizes[j]) > int(dsts[i]):
                 raise ValueError(
-                    f"copy_batch_async destination of range {int(index[i])} ({DevicePtr(int(dsts[i]))!r}, {int(sizes[i])} bytes) "
-                    f"overlaps the source of range {int(index[j])} ({DevicePtr(int(srcs[j]))!r}, {int(sizes[j])} bytes)"
+                    f"copy_batch_async destination of range {int(index[i])} (0x{int(dsts[i]):x}, {int(sizes[i])} bytes) "
+                    f"overlaps the source of range {int(index[j])} (0x{int(srcs[j]):x}, {int(sizes[j])} bytes)"
                 )
