@@ -3,7 +3,8 @@
 random ranges and compares every byte of the device allocation and of the swap memory
 with a numpy model of the same copies.
 
-Ranges have random lengths (1 byte to several kernel chunks) and offsets, so every
+Ranges have random lengths (1 byte to two kernel chunks; one range of each swap batch
+spans three chunks, the last partial) and offsets, so every
 head/tail and word size occurs (half of them with source and destination equally
 misaligned, the 16-byte path); batches go device -> host (swap out), host -> device
 (swap in) and mixed (device -> device and host -> host too). In "kernel" mode each batch
@@ -23,15 +24,18 @@ from pagedkv.driver.swaps import COPY_BATCH_CHUNK
 STUB.stub_set_device({sms}, 9, 0)
 STUB.stub_set_occupancy(1)
 MODE = {mode!r}
-SIZE = 3 * COPY_BATCH_CHUNK + 4099
+SIZE = 6 * COPY_BATCH_CHUNK + 4099
 
-def layout(rng, count, src_span, dst_span):
+def layout(rng, count, src_span, dst_span, long=False):
     """count ranges: (src offset in src_span, dst offset in dst_span, size), destinations disjoint."""
     lo, hi = dst_span
     sizes = [int(s) for s in rng.choice([1, 7, 15, 16, 17, 100, 4096, 5000, COPY_BATCH_CHUNK + 33,
                                           2 * COPY_BATCH_CHUNK - 5], count)]
+    if long:  # the first range spans three chunks, its last one partial
+        sizes[0] = 2 * COPY_BATCH_CHUNK + 37
     while sum(sizes) + 64 * count > hi - lo:
-        sizes[int(np.argmax(sizes))] //= 2
+        k = 1 + int(np.argmax(sizes[1:]))
+        sizes[k] //= 2
     slack = (hi - lo) - sum(sizes)
     gaps = np.sort(rng.integers(0, slack, count))
     out, at, prev = [], lo, 0
@@ -67,8 +71,8 @@ for order in {orders!r}:
         for (base_s, base_d, lo) in ((D, H, half), (H, H, half + q), (H, D, half), (D, D, half + q)):
             mixed += [(base_s + s, base_d + d, n) for s, d, n in layout(rng, 3, (0, half), (lo, lo + q))]
         batches = {{
-            "swap out": [(D + s, H + d, n) for s, d, n in layout(rng, 9, (0, SIZE), (0, SIZE))],
-            "swap in": [(H + s, D + d, n) for s, d, n in layout(rng, 9, (0, SIZE), (0, SIZE))],
+            "swap out": [(D + s, H + d, n) for s, d, n in layout(rng, 9, (0, SIZE), (0, SIZE), long=True)],
+            "swap in": [(H + s, D + d, n) for s, d, n in layout(rng, 9, (0, SIZE), (0, SIZE), long=True)],
             "mixed": mixed,
         }}
         wrapped = False
