@@ -19,18 +19,21 @@ _U64_MAX = 2**64 - 1
 
 
 def _column(values: Any, what: str) -> np.ndarray:
-    arr = np.asarray(values)
+    # a list mixing Python ints and numpy uint64 would become float64 in np.asarray:
+    # anything but an integer ndarray is read value by value
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=object)
     if arr.ndim != 1:
         raise ValueError(f"copy_batch_async {what} must be a 1-D sequence of ints, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, np.uint64)
     if arr.dtype.kind == "O":
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr.tolist()):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in arr.tolist()):
             raise TypeError(f"copy_batch_async {what} must hold ints")
         ints = [int(v) for v in arr.tolist()]
         bad = next((i for i, v in enumerate(ints) if v < 0 or v > _U64_MAX), None)
         if bad is not None:
-            raise ValueError(f"copy_batch_async {what}[{bad}] = {ints[bad]} is not a 64-bit unsigned value")
+            problem = "is negative" if ints[bad] < 0 else "is not a 64-bit unsigned value"
+            raise ValueError(f"copy_batch_async {what}[{bad}] = {ints[bad]} {problem}")
         return np.asarray(ints, dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"copy_batch_async {what} must hold ints, got dtype {arr.dtype}")
