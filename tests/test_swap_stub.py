@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import textwrap
 
-from kernel_harness.stub import run_on_stub
+from kernel_harness.stub import REPO_ROOT, run_on_stub
 from kernel_harness.swap_checks import copy_batch_body
 
 
@@ -378,3 +378,59 @@ def test_events_poll_wait_and_refuse_unknown_handles(stub_env):
             assert STUB.stub_live_events() == live + 1
         assert STUB.stub_live_events() == 0, "close destroys the events left"
     ''')
+
+
+def test_tier_benchmark_runs_over_the_stub(stub_env):
+    """tools/bench_tier.py end to end at a reduced size over the stub, both paths: every
+    line prints and everything is freed. The figures are the stub's (host memcpy, the
+    kernel run by the harness), so the floors are printed but not judged here."""
+    out = run_on_stub(stub_env, '''
+        STUB.stub_set_total_mem(ctypes.c_size_t(1 << 30))
+        import argparse
+        import pagedkv.driver
+        pagedkv.driver.is_available = lambda: True
+        sys.path.insert(0, %r)
+        import bench_tier
+        bench_tier.BLOCKS, bench_tier.LAYERS = 4, 2
+        assert bench_tier.FLOOR_OF_PINNED == 0.80
+        before = calls("cuMemcpyBatchAsync")
+        bench_tier.run(argparse.Namespace(quick=True))
+        assert calls("cuMemcpyBatchAsync") > before
+        assert STUB.stub_live_allocations() == 0 and STUB.stub_live_host_allocations() == 0
+        assert STUB.stub_live_streams() == 0 and STUB.stub_live_events() == 0
+    ''' % str(REPO_ROOT / "tools"), timeout=300)
+    for line in (
+        "host tier: 4 blocks x 2 layers x K,V of 32 KiB (0.5 MiB per swap)",
+        "driver path (cuMemcpyBatchAsync):",
+        "kernel path (pagedkv_copy_batch kernel over mapped memory):",
+        "pinned ceiling: one cuMemcpyDtoHAsync",
+        "pinned ceiling: one cuMemcpyHtoDAsync",
+        "contiguous blocks (4 ranges per swap):",
+        "scattered blocks (12 ranges per swap):",
+        "swap_out  one copy_batch_async",
+        "swap_in   one copy_batch_async",
+        "per-block loop swap_out (16 cuMemcpyDtoHAsync)",
+        "per-block loop swap_in (16 cuMemcpyHtoDAsync)",
+    ):
+        assert line in out, (line, out)
+    for path in ("driver", "kernel"):
+        for direction in ("out", "in"):
+            for layout in ("contiguous", "scattered"):
+                assert f"floor   {path} swap_{direction} ({layout} blocks) vs pinned copy:" in out, (path, direction, layout)
+    assert out.count("needs >= 0.8x") == 8
+
+
+def test_tier_descriptors_are_one_range_per_layer_side_run():
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    import bench_tier
+
+    assert bench_tier.block_bytes() == 32 * 1024
+    assert bench_tier.layer_side_runs([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 6]) == [(3, 0, 3), (9, 3, 2), (2, 6, 1)]
+    assert bench_tier.layer_side_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)], "a run needs both sides consecutive"
+    size = bench_tier.block_bytes()
+    dsts, srcs, sizes = bench_tier.descriptors([1 << 30, 2 << 30], [1 << 20, 2 << 20], [3, 4, 8], [0, 1, 2])
+    assert srcs.tolist() == [(1 << 30) + 3 * size, (1 << 30) + 8 * size, (2 << 30) + 3 * size, (2 << 30) + 8 * size]
+    assert dsts.tolist() == [1 << 20, (1 << 20) + 2 * size, 2 << 20, (2 << 20) + 2 * size]
+    assert sizes.tolist() == [2 * size, size, 2 * size, size]
