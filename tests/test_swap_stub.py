@@ -434,3 +434,74 @@ def test_tier_descriptors_are_one_range_per_layer_side_run():
     assert srcs.tolist() == [(1 << 30) + 3 * size, (1 << 30) + 8 * size, (2 << 30) + 3 * size, (2 << 30) + 8 * size]
     assert dsts.tolist() == [1 << 20, (1 << 20) + 2 * size, 2 << 20, (2 << 20) + 2 * size]
     assert sizes.tolist() == [2 * size, size, 2 * size, size]
+
+
+def test_stub_batch_entry_points_refuse_like_the_driver(stub_env):
+    """The stub's own rules, called directly: cuGetProcAddress versions, the two ABIs, bad
+    attributes, the legacy stream, a bad range (failIdx in the 12.8 ABI), nothing queued
+    on refusal, and cuMemHostGetDevicePointer only for DEVICEMAP memory."""
+    _run(stub_env, '''
+        with CudaBackend() as gpu:
+            p, status = ctypes.c_void_p(), ctypes.c_int(-1)
+            get = STUB.cuGetProcAddress_v2
+            get.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p]
+            assert get(b"cuMemcpyBatchAsync", ctypes.byref(p), 13000, 0, ctypes.byref(status)) == 0 and status.value == 0
+            v2 = ctypes.cast(STUB.cuMemcpyBatchAsync_v2, ctypes.c_void_p).value
+            v1 = ctypes.cast(STUB.cuMemcpyBatchAsync, ctypes.c_void_p).value
+            assert p.value == v2
+            assert get(b"cuMemcpyBatchAsync", ctypes.byref(p), 12080, 0, ctypes.byref(status)) == 0 and p.value == v1
+            assert get(b"cuMemcpyBatchAsync", ctypes.byref(p), 12000, 0, ctypes.byref(status)) == 0
+            assert p.value is None and status.value == 2, "VERSION_NOT_SUFFICIENT"
+            assert get(b"cuMemcpyBatchAsync", ctypes.byref(p), 13010, 0, ctypes.byref(status)) == 1, "above the driver"
+            assert get(b"cuGetProcAddress", ctypes.byref(p), 12000, 0, None) == 0
+            assert p.value == ctypes.cast(STUB.cuGetProcAddress_v2, ctypes.c_void_p).value
+            import os
+            os.environ["PAGEDKV_STUB_NO_BATCH_MEMCPY"] = "1"
+            assert get(b"cuMemcpyBatchAsync", ctypes.byref(p), 13000, 0, ctypes.byref(status)) == 500 and status.value == 1
+            del os.environ["PAGEDKV_STUB_NO_BATCH_MEMCPY"]
+
+            stream = gpu.create_stream()
+            dev = gpu.alloc(4096)
+            swap = gpu.alloc_swap_memory(4096)
+            plain = gpu.alloc_pinned(4096)
+            U64 = ctypes.c_uint64 * 2
+            dsts, srcs, sizes = U64(swap.address, int(dev) + 100), U64(int(dev), swap.address + 8), U64(64, 64)
+            idx = (ctypes.c_size_t * 1)(0)
+
+            class A(ctypes.Structure):
+                _fields_ = [("order", ctypes.c_int), ("st", ctypes.c_int), ("si", ctypes.c_int),
+                            ("dt", ctypes.c_int), ("di", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+            batch = STUB.cuMemcpyBatchAsync_v2
+            batch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            old = STUB.cuMemcpyBatchAsync
+            old.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                    ctypes.c_void_p, ctypes.c_void_p]
+            s = stream  # the backend's handle is the CUstream's address
+            pending = STUB.stub_pending_work()
+            for attr, stream_handle, count, want in (
+                (A(0, 1, 0, 2, 0, 0), s, 2, 1),   # srcAccessOrder INVALID
+                (A(4, 1, 0, 2, 0, 0), s, 2, 1),   # no such order
+                (A(1, 9, 0, 2, 0, 0), s, 2, 1),   # no such location type
+                (A(1, 1, 0, 2, 0, 2), s, 2, 1),   # unknown flag
+                (A(1, 1, 0, 2, 0, 0), 0, 2, 1),   # the legacy NULL stream
+                (A(1, 1, 0, 2, 0, 0), 1, 2, 1),   # CU_STREAM_LEGACY
+                (A(1, 1, 0, 2, 0, 0), s, 0, 1),   # no copy
+            ):
+                assert batch(dsts, srcs, sizes, count, ctypes.byref(attr), idx, 1, stream_handle) == want, (attr.order, stream_handle)
+            assert STUB.stub_pending_work() == pending, "a refused batch queues nothing"
+            fail = ctypes.c_size_t(0)
+            bad = U64(swap.address, int(dev) + 4090)
+            assert old(bad, srcs, sizes, 2, ctypes.byref(A(1, 1, 0, 2, 0, 0)), idx, 1, ctypes.byref(fail), s) == 1
+            assert fail.value == 1 and STUB.stub_pending_work() == pending
+            assert old(dsts, srcs, sizes, 2, ctypes.byref(A(1, 1, 0, 2, 0, 0)), idx, 1, ctypes.byref(fail), s) == 0
+            assert fail.value == 2**64 - 1 and STUB.stub_pending_work() == pending + 2
+
+            dptr = ctypes.c_uint64()
+            hgdp = STUB.cuMemHostGetDevicePointer_v2
+            hgdp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+            assert hgdp(ctypes.byref(dptr), swap.address + 100, 0) == 0 and dptr.value == swap.address + 100
+            assert hgdp(ctypes.byref(dptr), plain.array.ctypes.data, 0) == 1, "no DEVICEMAP: not mapped"
+            assert hgdp(ctypes.byref(dptr), swap.address, 1) == 1, "flags must be 0"
+            gpu.synchronize(stream)
+    ''')
