@@ -505,3 +505,36 @@ def test_stub_batch_entry_points_refuse_like_the_driver(stub_env):
             assert hgdp(ctypes.byref(dptr), swap.address, 1) == 1, "flags must be 0"
             gpu.synchronize(stream)
     ''')
+
+
+def test_mapped_vmm_chunks_are_device_memory_for_the_batch(stub_env):
+    """An elastic pool's memory (mapped VMM chunks) is reachable like an allocation; adjacent
+    chunks form one span; the unmapped rest of a reservation is refused before anything runs."""
+    _run(stub_env, '''
+        for mode in ("auto", "kernel"):
+            with CudaBackend(copy_batch=mode) as gpu:
+                g = gpu.vmm_granularity()
+                base = gpu.reserve_address(4 * g)
+                gpu.map_chunk(base, g)
+                gpu.map_chunk(base.offset(g), g)
+                stream = gpu.create_stream()
+                swap = gpu.alloc_swap_memory(8192)
+                swap.array[:] = np.arange(8192) % 241
+                before = copies()
+                # one range across the boundary of two adjacent chunks
+                gpu.copy_batch_async([int(base) + g - 4096], [swap.address], [8192], stream)
+                gpu.synchronize(stream)
+                got = np.empty(8192, np.uint8)
+                gpu.copy_d2h(base.offset(g - 4096), got)
+                assert np.array_equal(got, swap.array)
+                assert sum(copies()) == sum(before) + 1
+                try:
+                    gpu.copy_batch_async([int(base) + 2 * g - 10], [swap.address], [20], stream)
+                except IndexError as err:
+                    assert "range 0: destination 0x%x + 20 bytes" % (int(base) + 2 * g - 10) in str(err), err
+                else:
+                    raise AssertionError("a range into the unmapped part was accepted")
+                swap.free()
+                gpu.destroy_stream(stream)
+                gpu.release_address(base)
+    ''')
