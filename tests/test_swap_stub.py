@@ -538,3 +538,28 @@ def test_mapped_vmm_chunks_are_device_memory_for_the_batch(stub_env):
                 gpu.destroy_stream(stream)
                 gpu.release_address(base)
     ''')
+
+
+def test_a_refused_driver_call_raises_and_the_next_batch_works(stub_env):
+    _run(stub_env, '''
+        for mode, call in (("auto", "cuMemcpyBatchAsync"), ("kernel", "cuLaunchKernel")):
+            with CudaBackend(copy_batch=mode) as gpu:
+                stream = gpu.create_stream()
+                dev = gpu.alloc(4096)
+                swap = gpu.alloc_swap_memory(4096)
+                gpu.copy_h2d(np.full(4096, 6, np.uint8), dev)
+                swap.array[:] = 0
+                pending = STUB.stub_pending_work()
+                STUB.stub_fail_next(call.encode(), 1)
+                try:
+                    gpu.copy_batch_async([swap.address], [int(dev)], [4096], stream)
+                except CudaError as err:
+                    assert err.call == call and err.status == 1, err
+                else:
+                    raise AssertionError("the injected failure was not raised")
+                gpu.synchronize(stream)
+                assert (swap.array == 0).all()
+                gpu.copy_batch_async([swap.address], [int(dev)], [4096], stream)
+                gpu.synchronize(stream)
+                assert (swap.array == 6).all()
+    ''')
