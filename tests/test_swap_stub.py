@@ -549,7 +549,6 @@ def test_a_refused_driver_call_raises_and_the_next_batch_works(stub_env):
                 swap = gpu.alloc_swap_memory(4096)
                 gpu.copy_h2d(np.full(4096, 6, np.uint8), dev)
                 swap.array[:] = 0
-                pending = STUB.stub_pending_work()
                 STUB.stub_fail_next(call.encode(), 1)
                 try:
                     gpu.copy_batch_async([swap.address], [int(dev)], [4096], stream)
