@@ -562,3 +562,23 @@ def test_a_refused_driver_call_raises_and_the_next_batch_works(stub_env):
                 gpu.synchronize(stream)
                 assert (swap.array == 6).all()
     ''')
+
+
+def test_queued_kernel_batches_keep_their_descriptors(stub_env):
+    """Eight kernel-path batches queued back to back (the stub runs none until the host
+    waits): more than the mapped staging ring holds, so slots are reused, each only after
+    the launch that reads it has run; every batch copies what its own descriptor says."""
+    _run(stub_env, '''
+        with CudaBackend(copy_batch="kernel") as gpu:
+            stream = gpu.create_stream()
+            dev = gpu.alloc(8 * 4096)
+            swap = gpu.alloc_swap_memory(8 * 4096)
+            gpu.copy_h2d(np.repeat(np.arange(1, 9, dtype=np.uint8), 4096), dev)
+            swap.array[:] = 0
+            assert len(gpu._mapped_staging) < 8
+            for k in range(8):
+                gpu.copy_batch_async([swap.address + k * 4096], [int(dev) + (7 - k) * 4096], [4096], stream)
+            gpu.synchronize(stream)
+            for k in range(8):
+                assert (swap.array[k * 4096:(k + 1) * 4096] == 8 - k).all(), (k, swap.array[k * 4096])
+    ''')
