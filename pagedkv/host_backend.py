@@ -379,12 +379,15 @@ class HostBackend:
         `stream` (it runs now). Each range must lie inside one live allocation or one live
         swap memory (IndexError naming i and the address); destination ranges that overlap
         each other or a source raise ValueError; all checked before any byte moves. n == 0
-        does nothing."""
+        does nothing, and so does a 0-byte range (its addresses are not looked at, as on
+        CudaBackend)."""
         self._check_stream(stream)
         dst, src, size = _batch_arrays(dsts, srcs, sizes)
         views = []
         for i in range(dst.size):
             nbytes = int(size[i])
+            if nbytes == 0:
+                continue
             views.append((self._range_view(int(dst[i]), nbytes, i, "destination"),
                           self._range_view(int(src[i]), nbytes, i, "source")))
         _check_batch_overlap(dst, src, size)

@@ -4,7 +4,7 @@ block kernels compiled at run time by NVRTC.
 Importing this package calls nothing in the driver, loads no libcuda and compiles
 nothing (CUDA initialised in a parent process breaks forked children): `CudaBackend`,
 `CudaError`, `CudaUnavailable`, `CudaOutOfMemory`, `BackendClosed`,
-`UnsupportedArchitecture` and `PinnedBuffer` are imported on first
+`UnsupportedArchitecture`, `PinnedBuffer` and `SwapMemory` are imported on first
 use, and the first `CudaBackend()` initialises the driver.
 """
 
@@ -22,6 +22,7 @@ __all__ = [
     "CudaOutOfMemory",
     "CudaUnavailable",
     "PinnedBuffer",
+    "SwapMemory",
     "UnsupportedArchitecture",
     "is_available",
 ]
@@ -34,6 +35,7 @@ _LAZY = {
     "CudaUnavailable": "errors",
     "check": "errors",
     "PinnedBuffer": "pinned",
+    "SwapMemory": "swap_memory",
     "UnsupportedArchitecture": "errors",
 }
 

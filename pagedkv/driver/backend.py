@@ -22,13 +22,14 @@ from .kv_kernels import KvKernels
 from .kernels import KERNELS, REDUCE_THREADS, THREADS, BlockKernels
 from .memory import MemoryAndCopies
 from .staging import StagingRing
+from .swaps import HostSwaps, copy_batch_mode
 
 __all__ = ["CudaBackend", "KERNELS", "REDUCE_THREADS", "THREADS"]
 
 _log = get_logger("cuda")
 
 
-class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
+class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels, HostSwaps):
     """The GpuBackend of one CUDA device (`device` ordinal), in its primary context.
 
     Construction initialises the driver, retains the primary context and loads the
@@ -39,10 +40,16 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
     it. Streams are int handles (0 is the legacy default stream). `device_name`,
     `compute_capability` (major, minor) and `sm_count` describe the device. A call after
     `close()` raises BackendClosed.
+
+    `copy_batch` chooses how `copy_batch_async` copies: "auto" (cuMemcpyBatchAsync where
+    the driver has it, CUDA 12.8 and later, else the copy kernel) or "kernel" (always the
+    copy kernel); None reads `$PAGEDKV_COPY_BATCH` (default "auto"). `copy_batch_path`
+    says which one was found.
     """
 
-    def __init__(self, device: int = 0, kernel_cache_dir: str | None = None):
+    def __init__(self, device: int = 0, kernel_cache_dir: str | None = None, copy_batch: str | None = None):
         device = non_negative_int(device, "device")
+        mode = copy_batch_mode(copy_batch)
         self._closed = True  # until construction completes
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # notified when a held staging slot is let go
@@ -55,6 +62,10 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
         self._launchers: dict = {}
         self._max_grid: dict[str, int] = {}
         self._staging = StagingRing()
+        self._mapped_staging = StagingRing(mapped=True)
+        self._swap: dict = {}
+        self._events: dict = {}
+        self._memcpy_batch = None
         self._ctx = None
         drv = load_driver()
         count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
@@ -71,6 +82,7 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             self.sm_count = facts.sm_count
             self._closed = False
             self._load_kernels(drv, kernel_cache_dir)
+            self._resolve_copy_batch(mode)
         except BaseException:
             self._closed = False
             try:
@@ -135,12 +147,16 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             attempt(self._enter)
         attempt(lambda: check(driver.cuCtxSynchronize(), "cuCtxSynchronize"))
         attempt(self._staging.close)
-        leaked = len(self._allocs) + len(self._pinned) + len(self._streams)
+        attempt(self._mapped_staging.close)
+        for event in list(self._events):
+            attempt(self.destroy_event, event)
+        leaked = len(self._allocs) + len(self._pinned) + len(self._swap) + len(self._streams)
         if leaked:
             _log.warning(
                 "cuda_close_freeing_leftovers",
                 allocations=len(self._allocs),
                 pinned=len(self._pinned),
+                swap=len(self._swap),
                 streams=len(self._streams),
             )
         for ptr in list(self._allocs):
@@ -148,17 +164,19 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
         self._release_reservations(attempt)
         for buf in list(self._pinned.values()):
             attempt(buf.free)
+        for memory in list(self._swap.values()):
+            attempt(memory.free)
         for handle in list(self._streams):
             attempt(self.destroy_stream, handle)
         for module in self._modules:
             attempt(lambda m=module: check(driver.cuModuleUnload(m.handle), "cuModuleUnload"))
         self._modules, self._launchers = [], {}
 
-    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "device:cuda"})
+    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "host_tier", "device:cuda"})
     """The capabilities CudaBackend states (see pagedkv.capabilities)."""
 
     def supports(self, name: str) -> bool:
-        """True for "pinned", "batched_copy", "stream_wait" and "device:cuda", and for "vmm"
+        """True for "pinned", "batched_copy", "stream_wait", "host_tier" and "device:cuda", and for "vmm"
         when the device reports virtual memory management; ValueError for an unknown name."""
         if check_capability_name(name) == "vmm":
             from . import vmm

@@ -26,7 +26,7 @@ from ..exact_sum import RESULT_WORDS, stats_from_words
 from . import nvrtc
 from .errors import check
 from .kv_kernels import KERNEL_TABLE as KV_KERNEL_TABLE
-from .launch import CopyArgs, FillArgs, KernelLauncher, ReduceFinalArgs, ReducePartialArgs
+from .launch import CopyArgs, CopyBatchArgs, FillArgs, KernelLauncher, ReduceFinalArgs, ReducePartialArgs
 from .staging import StagingRing, StagingSlot
 
 THREADS = 256
@@ -42,6 +42,7 @@ _RESULT_BYTES = 8 * RESULT_WORDS
 KERNELS = {
     "fill_blocks.cu": [("pagedkv_fill_blocks", FillArgs, THREADS)],
     "copy_blocks.cu": [("pagedkv_copy_blocks", CopyArgs, THREADS)],
+    "copy_batch.cu": [("pagedkv_copy_batch", CopyBatchArgs, THREADS)],
     "reduce_bf16.cu": [
         ("pagedkv_reduce_bf16_partial", ReducePartialArgs, REDUCE_THREADS),
         ("pagedkv_reduce_bf16_final", ReduceFinalArgs, REDUCE_THREADS),

@@ -39,6 +39,16 @@ class CopyArgs(ctypes.Structure):
     ]
 
 
+class CopyBatchArgs(ctypes.Structure):
+    """Parameters of `pagedkv_copy_batch` (copy_batch.cu)."""
+
+    _fields_ = [
+        ("ranges", ctypes.c_uint64),
+        ("count", ctypes.c_int64),
+        ("chunk", ctypes.c_int64),
+    ]
+
+
 class ReducePartialArgs(ctypes.Structure):
     """Parameters of `pagedkv_reduce_bf16_partial` (reduce_bf16.cu)."""
 

@@ -19,6 +19,7 @@ from ..streams import is_stream_object, stream_handle
 from ._bindings import CU_STREAM_LEGACY, driver as _driver
 from .errors import check
 from .pinned import PinnedBuffer
+from .swap_memory import SwapMemory
 
 
 _EVENT_DISABLE_TIMING = 2
@@ -30,7 +31,7 @@ def _gib(nbytes: int) -> str:
 
 def _host_view(buf: Any, writable: bool) -> tuple[int, int, Any]:
     """(address, nbytes, keep-alive) of a C-contiguous host buffer or PinnedBuffer."""
-    if isinstance(buf, PinnedBuffer):
+    if isinstance(buf, (PinnedBuffer, SwapMemory)):
         buf = buf.array
     arr = host_bytes(buf, writable)
     return arr.ctypes.data, arr.nbytes, arr
@@ -106,7 +107,7 @@ class MemoryAndCopies:
 
     def _require_pinned(self, address: int, nbytes: int) -> None:
         with self._lock:
-            if not any(b.contains(address, nbytes) for b in self._pinned.values()):
+            if not any(b.contains(address, nbytes) for b in self._pinned.values()) and not self._in_swap_memory(address, nbytes):
                 raise ValueError(
                     "async host copies need page-locked memory: pass a PinnedBuffer from alloc_pinned (or a view of one)"
                 )

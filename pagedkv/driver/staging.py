@@ -7,6 +7,12 @@ slot is reused only after that event has completed, so neither buffer is overwri
 while a copy or a kernel still reads it, whatever stream it ran on. A slot can also be
 *held* by a caller that waits for its result without the backend's lock (the
 reduction): the ring never hands a held slot out, and grows instead.
+
+A *mapped* ring (`StagingRing(mapped=True)`) has no device buffers: each slot's pinned
+host buffer is allocated DEVICEMAP and `device` is its device pointer
+(`cuMemHostGetDevicePointer`), so a kernel reads what the host wrote there without any
+upload call (the batched copy's descriptor); the same event rule keeps the host from
+rewriting a slot a queued kernel still reads.
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ SLOTS = 4
 
 _MIN_BYTES = 64 << 10
 _CU_EVENT_DISABLE_TIMING = 2
+_CU_MEMHOSTALLOC_PORTABLE = 0x01
+_CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 
 
 class StagingSlot:
     """One slot: `host` (pinned, numpy uint8), `device` (address), both `capacity` bytes;
-    `pending` while recorded work may still use it, `held` while a caller waits on it."""
+    `pending` while recorded work may still use it, `held` while a caller waits on it.
+    A `mapped` slot's `device` is the device pointer of `host` (no device buffer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mapped: bool = False) -> None:
+        self.mapped = mapped
         self.capacity = 0
         self.host_address = 0
         self.host: np.ndarray | None = None
@@ -72,9 +82,9 @@ class StagingSlot:
 
     def free_buffers(self) -> None:
         """Free the device and pinned host buffers (the slot must be idle); capacity 0."""
-        if self.device:
+        if self.device and not self.mapped:
             check(driver.cuMemFree(self.device), "cuMemFree")
-            self.device = 0
+        self.device = 0
         if self.host_address:
             check(driver.cuMemFreeHost(self.host_address), "cuMemFreeHost")
             self.host_address, self.host = 0, None
@@ -85,9 +95,13 @@ class StagingSlot:
         idle); on failure the slot is left with no buffers and capacity 0."""
         capacity = -(-capacity // 256) * 256
         self.free_buffers()
-        self.host_address = int(check(driver.cuMemHostAlloc(capacity, 0), "cuMemHostAlloc", f"staging {capacity} bytes"))
+        flags = _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP if self.mapped else 0
+        self.host_address = int(check(driver.cuMemHostAlloc(capacity, flags), "cuMemHostAlloc", f"staging {capacity} bytes"))
         self.host = np.ctypeslib.as_array((ctypes.c_uint8 * capacity).from_address(self.host_address))
-        self.device = int(check(driver.cuMemAlloc(capacity), "cuMemAlloc", f"staging {capacity} bytes"))
+        if self.mapped:
+            self.device = int(check(driver.cuMemHostGetDevicePointer(self.host_address, 0), "cuMemHostGetDevicePointer"))
+        else:
+            self.device = int(check(driver.cuMemAlloc(capacity), "cuMemAlloc", f"staging {capacity} bytes"))
         self.capacity = capacity
 
 
@@ -95,10 +109,11 @@ class StagingRing:
     """Hands out slots round-robin, skipping held ones (and growing the ring when every
     slot is held); `acquire(nbytes)` waits for the slot's last use and grows it to at
     least `nbytes`. Callers hold the backend's lock around acquire..record and around
-    any change of `held`."""
+    any change of `held`. `mapped` makes every slot a mapped one (see the module)."""
 
-    def __init__(self) -> None:
-        self._slots = [StagingSlot() for _ in range(SLOTS)]
+    def __init__(self, mapped: bool = False) -> None:
+        self.mapped = mapped
+        self._slots = [StagingSlot(mapped) for _ in range(SLOTS)]
         self._next = 0
 
     def __len__(self) -> int:
@@ -116,7 +131,7 @@ class StagingRing:
             if not slot.held:
                 break
         else:
-            slot = StagingSlot()
+            slot = StagingSlot(self.mapped)
             self._slots.append(slot)
         if slot.event is None:
             slot.event = check(driver.cuEventCreate(_CU_EVENT_DISABLE_TIMING), "cuEventCreate")

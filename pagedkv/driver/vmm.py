@@ -60,6 +60,16 @@ class VirtualMemory:
         """Bases of the live reservations."""
         return list(self._reservations)
 
+    def mapped_spans(self) -> list[tuple[int, int]]:
+        """(address, nbytes) of every mapped chunk, adjacent chunks merged into one span."""
+        spans: list[list[int]] = []
+        for address, (size, _) in sorted(self._chunks.items()):
+            if spans and spans[-1][0] + spans[-1][1] == address:
+                spans[-1][1] += size
+            else:
+                spans.append([address, size])
+        return [(a, n) for a, n in spans]
+
     def mapped_bytes(self) -> int:
         """Bytes mapped over every reservation."""
         return sum(size for size, _ in self._chunks.values())

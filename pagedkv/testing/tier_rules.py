@@ -54,7 +54,8 @@ def rule_swap_memory(gpu: Any) -> None:
 def rule_batched_copy(gpu: Any) -> None:
     """copy_batch_async copies every listed range in one call, in stream order: device to
     swap memory, swap memory to device, device to device, swap to swap; numpy uint64
-    lists are accepted and an empty list does nothing."""
+    lists are accepted, an empty list does nothing, and so does a 0-byte range (its
+    addresses are not looked at)."""
     stream = gpu.default_stream()
     memory = gpu.alloc_swap_memory(8192)
     ptr = gpu.alloc(8192)
@@ -62,9 +63,9 @@ def rule_batched_copy(gpu: Any) -> None:
         gpu.copy_h2d(_pattern(8192, 2), ptr)
         memory.array[:] = _pattern(8192, 3)
         d, h = int(ptr), memory.address
-        dsts = np.array([h, d + 4096, d + 6000, h + 5000], dtype=np.uint64)
-        srcs = np.array([d + 100, h + 7000, d + 300, h + 6000], dtype=np.uint64)
-        sizes = np.array([1000, 600, 900, 700], dtype=np.uint64)
+        dsts = np.array([h, d + 4096, d + 6000, h + 5000, 8], dtype=np.uint64)
+        srcs = np.array([d + 100, h + 7000, d + 300, h + 6000, 16], dtype=np.uint64)
+        sizes = np.array([1000, 600, 900, 700, 0], dtype=np.uint64)
         gpu.copy_batch_async(dsts, srcs, sizes, stream)
         gpu.copy_batch_async([], [], [], stream)
         gpu.synchronize(stream)

@@ -44,6 +44,12 @@ CUresult cuMemMap(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemSetAccess(CUdeviceptr, size_t, const void *, size_t);
 
+/* CUDASWAP (mapped pinned memory, batched copies): defined in its section at the end */
+static int swap_driver_version(void);
+static void swap_host_alloc_recorded(void *p, size_t size, unsigned flags);
+static void swap_host_free_recorded(void *p);
+static int swap_proc_address(const char *symbol, int version, void **pfn, int *status);
+
 enum {
     SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
     INVALID_DEVICE = 101, INVALID_IMAGE = 200, INVALID_CONTEXT = 201, INVALID_HANDLE = 400,
@@ -153,7 +159,7 @@ CUresult cuInit(unsigned flags) {
 CUresult cuDriverGetVersion(int *version) {
     ENTER("cuDriverGetVersion");
     if (!version) return INVALID_VALUE;
-    *version = 13000;
+    *version = swap_driver_version();
     return SUCCESS;
 }
 
@@ -329,10 +335,11 @@ CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
     ENTER("cuMemHostAlloc");
     NEED_CTX();
     if (!pp || size == 0 || nhost == MAX_HOST) return INVALID_VALUE;
-    (void)flags;
+    if (flags & ~7u) return INVALID_VALUE; /* PORTABLE | DEVICEMAP | WRITECOMBINED */
     *pp = aligned_alloc(4096, (size + 4095) / 4096 * 4096);
     if (!*pp) return OUT_OF_MEMORY;
     host_allocs[nhost++] = *pp;
+    swap_host_alloc_recorded(*pp, size, flags);
     return SUCCESS;
 }
 
@@ -343,6 +350,7 @@ CUresult cuMemFreeHost(void *p) {
     if (st) return st;
     for (int i = 0; i < nhost; i++) {
         if (host_allocs[i] == p) {
+            swap_host_free_recorded(p);
             free(p);
             host_allocs[i] = host_allocs[--nhost];
             return SUCCESS;
@@ -1125,7 +1133,7 @@ static void reset_device(void) {
     for (int i = 0; i < nallocs; i++) munmap(allocs[i].map, allocs[i].map_size);
     nallocs = 0;
     used_mem = 0;
-    for (int i = 0; i < nhost; i++) free(host_allocs[i]);
+    for (int i = 0; i < nhost; i++) { swap_host_free_recorded(host_allocs[i]); free(host_allocs[i]); }
     nhost = 0;
     for (int i = 0; i < nstreams; i++) {
         int q = find_handle((void **)queues, nqueues, stream_handles[i]);
@@ -1183,9 +1191,10 @@ static void *lookup(const char *symbol, uint64_t flags) {
 }
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
-    (void)version;
     enter("cuGetProcAddress");
     if (!symbol || !pfn) return INVALID_VALUE;
+    int swap = swap_proc_address(symbol, version, pfn, status);
+    if (swap >= 0) return swap;
     *pfn = lookup(symbol, flags);
     if (status) *status = *pfn ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / SYMBOL_NOT_FOUND */
     return *pfn ? SUCCESS : NOT_FOUND;
@@ -1501,3 +1510,183 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     return SUCCESS;
 }
 /* ---- end of ELASTIC (VMM) additions ---- */
+
+/* ---- CUDASWAP (host tier batched swaps) additions ---------------------------------------
+ *
+ * Mapped pinned memory and the batched copy of the host tier:
+ * - cuGetProcAddress("cuGetProcAddress", version >= 12000) is cuGetProcAddress_v2 (the
+ *   ABI with symbolStatus, which cuda-bindings' own cuGetProcAddress calls).
+ * - cuMemHostAlloc records each allocation's size and flags (PORTABLE 1, DEVICEMAP 2,
+ *   WRITECOMBINED 4; other bits are refused); cuMemHostGetDevicePointer answers for any
+ *   address inside a DEVICEMAP allocation (flags must be 0; the device address is the host
+ *   address, as with unified addressing) and refuses anything else.
+ * - cuMemcpyBatchAsync in both ABIs: the CUDA 12.8 one (`cuMemcpyBatchAsync`, with
+ *   failIdx) and CUDA 13's (`cuMemcpyBatchAsync_v2`, without). cuGetProcAddress of
+ *   "cuMemcpyBatchAsync" gives the 13 ABI for a requested version >= 13000, the 12.8 ABI
+ *   for 12080..12999, no pointer with CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT below
+ *   12080, and CUDA_ERROR_INVALID_VALUE above the driver version (stub_set_driver_version,
+ *   default 13000, is also what cuDriverGetVersion reports). PAGEDKV_STUB_NO_BATCH_MEMCPY=1
+ *   makes the symbol not found (CUDA_ERROR_NOT_FOUND, SYMBOL_NOT_FOUND), like an older
+ *   driver. Like the driver, a batch is refused (CUDA_ERROR_INVALID_VALUE, nothing queued,
+ *   failIdx set where the ABI has it) for: count 0, a null array, the legacy NULL stream
+ *   (0 or CU_STREAM_LEGACY), attributes that are missing, out of order or invalid
+ *   (srcAccessOrder not STREAM/DURING_API_CALL/ANY, unknown flags, unknown location
+ *   types), or a copy of 0 bytes; and a copy whose ranges are not inside one device or
+ *   pinned host allocation. A valid batch queues one copy per range on the stream.
+ *   stub_batch_attr(i, out) reads attribute i of the last accepted batch (and returns how
+ *   many there were).
+ */
+
+static int driver_version_reported = 13000;
+
+void stub_set_driver_version(int version) { driver_version_reported = version; }
+static int swap_driver_version(void) { return driver_version_reported; }
+
+#define MAX_HOST_RECORDS 1024
+static struct { uintptr_t base; size_t size; unsigned flags; } host_records[MAX_HOST_RECORDS];
+static int nhost_records;
+
+static void swap_host_alloc_recorded(void *p, size_t size, unsigned flags) {
+    if (nhost_records < MAX_HOST_RECORDS) {
+        host_records[nhost_records].base = (uintptr_t)p;
+        host_records[nhost_records].size = size;
+        host_records[nhost_records].flags = flags;
+        nhost_records++;
+    }
+}
+
+static void swap_host_free_recorded(void *p) {
+    for (int i = 0; i < nhost_records; i++)
+        if (host_records[i].base == (uintptr_t)p) { host_records[i] = host_records[--nhost_records]; return; }
+}
+
+/* The record holding [p, p + n), or -1. */
+static int host_record_of(uintptr_t p, size_t n) {
+    for (int i = 0; i < nhost_records; i++)
+        if (p >= host_records[i].base && p + n <= host_records[i].base + host_records[i].size && p + n >= p) return i;
+    return -1;
+}
+
+/* The flags a live cuMemHostAlloc allocation starting at `p` was made with (-1: none). */
+int stub_host_alloc_flags(void *p) {
+    for (int i = 0; i < nhost_records; i++)
+        if (host_records[i].base == (uintptr_t)p) return (int)host_records[i].flags;
+    return -1;
+}
+
+static CUresult host_get_device_pointer(CUdeviceptr *dptr, void *p, unsigned flags) {
+    NEED_CTX();
+    if (!dptr || !p || flags != 0) return INVALID_VALUE;
+    int r = host_record_of((uintptr_t)p, 1);
+    if (r < 0 || !(host_records[r].flags & 2)) return INVALID_VALUE; /* not mapped (no DEVICEMAP) */
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return SUCCESS;
+}
+CUresult cuMemHostGetDevicePointer(CUdeviceptr *dptr, void *p, unsigned flags) {
+    ENTER("cuMemHostGetDevicePointer");
+    return host_get_device_pointer(dptr, p, flags);
+}
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dptr, void *p, unsigned flags) {
+    ENTER("cuMemHostGetDevicePointer");
+    return host_get_device_pointer(dptr, p, flags);
+}
+
+typedef struct { int type; int id; } SwapMemLocation;
+typedef struct { int srcAccessOrder; SwapMemLocation srcLocHint, dstLocHint; unsigned flags; } SwapMemcpyAttributes;
+
+#define MAX_BATCH_ATTRS 64
+static SwapMemcpyAttributes last_attrs[MAX_BATCH_ATTRS];
+static size_t last_attr_idx[MAX_BATCH_ATTRS];
+static int last_nattrs;
+
+/* Attribute i of the last accepted batch into out (24 bytes) and its first copy index into
+ * *first; returns how many attributes that batch had (-1 for i out of range). */
+int stub_batch_attr(int i, SwapMemcpyAttributes *out, size_t *first) {
+    if (i < 0 || i >= last_nattrs) return -1;
+    if (out) *out = last_attrs[i];
+    if (first) *first = last_attr_idx[i];
+    return last_nattrs;
+}
+
+static int location_ok(SwapMemLocation loc) { return loc.type >= 0 && loc.type <= 4; }
+
+static int batch_range_ok(CUdeviceptr p, size_t n) {
+    return device_range_ok(p, n) || host_record_of((uintptr_t)p, n) >= 0;
+}
+
+static CUresult memcpy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                             SwapMemcpyAttributes *attrs, size_t *idxs, size_t nattrs, size_t *fail, CUstream s) {
+    if (fail) *fail = SIZE_MAX;
+    NEED_CTX();
+    if (!dsts || !srcs || !sizes || !attrs || !idxs || count == 0) return INVALID_VALUE;
+    if ((uintptr_t)s == 0 || (uintptr_t)s == 1) return INVALID_VALUE; /* "must not be legacy NULL stream" */
+    if (!stream_ok(s)) return INVALID_HANDLE;
+    if (nattrs == 0 || nattrs > count || idxs[0] != 0) return INVALID_VALUE;
+    for (size_t k = 0; k < nattrs; k++) {
+        if (k > 0 && idxs[k] <= idxs[k - 1]) return INVALID_VALUE;
+        if (idxs[k] >= count) return INVALID_VALUE;
+        if (attrs[k].srcAccessOrder < 1 || attrs[k].srcAccessOrder > 3) return INVALID_VALUE;
+        if (attrs[k].flags & ~1u) return INVALID_VALUE;
+        if (!location_ok(attrs[k].srcLocHint) || !location_ok(attrs[k].dstLocHint)) return INVALID_VALUE;
+    }
+    for (size_t i = 0; i < count; i++) {
+        if (sizes[i] == 0 || !batch_range_ok(dsts[i], sizes[i]) || !batch_range_ok(srcs[i], sizes[i])) {
+            if (fail) *fail = i;
+            return INVALID_VALUE;
+        }
+    }
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    if (!q) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    for (size_t i = 0; i < count; i++) {
+        Op *op = new_op(OP_COPY);
+        op->dst = (void *)(uintptr_t)dsts[i];
+        op->src = (const void *)(uintptr_t)srcs[i];
+        op->n = sizes[i];
+        enqueue(q, op);
+    }
+    pthread_mutex_unlock(&queue_lock);
+    last_nattrs = nattrs < MAX_BATCH_ATTRS ? (int)nattrs : MAX_BATCH_ATTRS;
+    for (int k = 0; k < last_nattrs; k++) { last_attrs[k] = attrs[k]; last_attr_idx[k] = idxs[k]; }
+    return SUCCESS;
+}
+
+/* the CUDA 12.8 ABI */
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                            SwapMemcpyAttributes *attrs, size_t *idxs, size_t nattrs, size_t *fail, CUstream s) {
+    ENTER("cuMemcpyBatchAsync");
+    return memcpy_batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, fail, s);
+}
+
+/* the CUDA 13 ABI */
+CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                               SwapMemcpyAttributes *attrs, size_t *idxs, size_t nattrs, CUstream s) {
+    ENTER("cuMemcpyBatchAsync");
+    return memcpy_batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, NULL, s);
+}
+
+/* cuGetProcAddress of the batched copy (-1: another symbol, looked up as before). */
+static int swap_proc_address(const char *symbol, int version, void **pfn, int *status) {
+    if (strcmp(symbol, "cuGetProcAddress") == 0 && version >= 12000) {
+        /* since CUDA 12.0 the symbol's ABI is cuGetProcAddress_v2 (with symbolStatus) */
+        *pfn = (void *)cuGetProcAddress_v2;
+        if (status) *status = 0;
+        return SUCCESS;
+    }
+    if (strcmp(symbol, "cuMemcpyBatchAsync") != 0) return -1;
+    *pfn = NULL;
+    const char *hide = getenv("PAGEDKV_STUB_NO_BATCH_MEMCPY");
+    if (hide && strcmp(hide, "1") == 0) {
+        if (status) *status = 1; /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+        return NOT_FOUND;
+    }
+    if (version > driver_version_reported) return INVALID_VALUE;
+    if (version < 12080) {
+        if (status) *status = 2; /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+        return SUCCESS;
+    }
+    *pfn = version >= 13000 ? (void *)cuMemcpyBatchAsync_v2 : (void *)cuMemcpyBatchAsync;
+    if (status) *status = 0;
+    return SUCCESS;
+}
+/* ---- end of CUDASWAP additions ---- */
