@@ -63,9 +63,9 @@ def rule_batched_copy(gpu: Any) -> None:
         gpu.copy_h2d(_pattern(8192, 2), ptr)
         memory.array[:] = _pattern(8192, 3)
         d, h = int(ptr), memory.address
-        dsts = np.array([h, d + 4096, d + 6000, h + 5000, 8], dtype=np.uint64)
-        srcs = np.array([d + 100, h + 7000, d + 300, h + 6000, 16], dtype=np.uint64)
-        sizes = np.array([1000, 600, 900, 700, 0], dtype=np.uint64)
+        dsts = np.array([8, h, d + 4096, d + 6000, h + 5000], dtype=np.uint64)
+        srcs = np.array([16, d + 100, h + 7000, d + 300, h + 6000], dtype=np.uint64)
+        sizes = np.array([0, 1000, 600, 900, 700], dtype=np.uint64)
         gpu.copy_batch_async(dsts, srcs, sizes, stream)
         gpu.copy_batch_async([], [], [], stream)
         gpu.synchronize(stream)
