@@ -18,6 +18,7 @@ from ..validate import non_negative_int
 from ._bindings import driver as _driver
 from .device import load_driver, read_device_facts
 from .errors import BackendClosed, CudaUnavailable, check
+from .graphs import GraphCapture
 from .kv_kernels import KvKernels
 from .kernels import KERNELS, REDUCE_THREADS, THREADS, BlockKernels
 from .memory import MemoryAndCopies
@@ -28,7 +29,7 @@ __all__ = ["CudaBackend", "KERNELS", "REDUCE_THREADS", "THREADS"]
 _log = get_logger("cuda")
 
 
-class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
+class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels, GraphCapture):
     """The GpuBackend of one CUDA device (`device` ordinal), in its primary context.
 
     Construction initialises the driver, retains the primary context and loads the
@@ -135,6 +136,7 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             attempt(self._enter)
         attempt(lambda: check(driver.cuCtxSynchronize(), "cuCtxSynchronize"))
         attempt(self._staging.close)
+        self._close_graphs(attempt)
         leaked = len(self._allocs) + len(self._pinned) + len(self._streams)
         if leaked:
             _log.warning(
@@ -154,11 +156,11 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels):
             attempt(lambda m=module: check(driver.cuModuleUnload(m.handle), "cuModuleUnload"))
         self._modules, self._launchers = [], {}
 
-    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "device:cuda"})
+    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "graphs", "device:cuda"})
     """The capabilities CudaBackend states (see pagedkv.capabilities)."""
 
     def supports(self, name: str) -> bool:
-        """True for "pinned", "batched_copy", "stream_wait" and "device:cuda", and for "vmm"
+        """True for "pinned", "batched_copy", "stream_wait", "graphs" and "device:cuda", and for "vmm"
         when the device reports virtual memory management; ValueError for an unknown name."""
         if check_capability_name(name) == "vmm":
             from . import vmm
