@@ -65,23 +65,24 @@ class CudaGraph:
 
     def close(self) -> None:
         """`cuGraphExecDestroy` and `cuGraphDestroy` (both attempted; the first error raised)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._backend._graphs.discard(self)
-        exec_, graph, self._exec, self._graph = self._exec, self._graph, None, None
-        first = None
-        if exec_ is not None or graph is not None:
-            driver = self._backend._enter()
-            for call, handle in (("cuGraphExecDestroy", exec_), ("cuGraphDestroy", graph)):
-                if handle is None:
-                    continue
-                try:
-                    check(getattr(driver, call)(handle), call)
-                except CudaError as err:
-                    first = first or err
-        if first is not None:
-            raise first
+        with self._backend._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._backend._graphs.discard(self)
+            exec_, graph, self._exec, self._graph = self._exec, self._graph, None, None
+            first = None
+            if exec_ is not None or graph is not None:
+                driver = self._backend._enter()
+                for call, handle in (("cuGraphExecDestroy", exec_), ("cuGraphDestroy", graph)):
+                    if handle is None:
+                        continue
+                    try:
+                        check(getattr(driver, call)(handle), call)
+                    except CudaError as err:
+                        first = first or err
+            if first is not None:
+                raise first
 
 
 class _Capture:
@@ -120,7 +121,7 @@ class _Capture:
                 raise GraphCaptureError(
                     "cuStreamEndCapture", code, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
                     "a call inside the capture could not be captured (its error was caught inside the block)",
-                    "; nothing was captured")
+                    "and invalidated it: nothing was captured")
             check((status,), "cuStreamEndCapture")
             try:
                 exec_ = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
