@@ -30,7 +30,9 @@ class LayerWritePlan:
     (ValueError/TypeError naming the bad layer or array, nothing allocated then). The row
     buffers are read at each `write`, so new contents written into them make the next
     prefill; their addresses are taken when the plan is made (a DLPack producer is asked
-    for its tensor then, on the legacy default stream). Use from one thread at a time."""
+    for its tensor then, on the legacy default stream). The plan is valid while the cache
+    holds its pools and the row buffers stay allocated; close it first. Use from one
+    thread at a time."""
 
     def __init__(self, pools, layers: Sequence[int], k_rows: Sequence[Any], v_rows: Sequence[Any] | None, gpu: Any,
                  k_scale: float = 1.0, v_scale: float = 1.0, nonfinite: int = 0,

@@ -372,6 +372,22 @@ def test_a_host_staged_call_inside_a_capture_fails_cleanly(stub_env):
                 gpu.capture(stream, mode="loose")
             except ValueError as err:
                 assert "global, thread_local, relaxed" in str(err), err
+            # a table whose exports are ordered on stream 0: the slots' DLPack wait would record an
+            # event on the legacy stream, which a capture of a blocking stream refuses
+            legacy_table = SequenceTable(cache, gpu=gpu)
+            legacy_table.add("b", list(range(4)))
+            legacy_slots = legacy_table.slot_mapping(["b"])
+            events = STUB.stub_live_events()
+            try:
+                with gpu.capture(stream):
+                    cache.write_tokens(0, legacy_slots, DeviceArray(dk.ptr, (4, HEADS, DIM), "bfloat16"),
+                                       DeviceArray(dv.ptr, (4, HEADS, DIM), "float32"), gpu, stream)
+            except GraphCaptureError as err:
+                assert err.call == "cuEventRecord" and err.status == 906, (err.call, err.status)
+            else:
+                raise AssertionError("a legacy-stream event was captured")
+            assert STUB.stub_live_events() == events, "the wait's event was not destroyed"
+            legacy_table.release()
             # the device path still works on the stream afterwards, outside a capture
             cache.write_tokens(0, slots, dk, dv, gpu, stream)
             want_table.add("a", list(range(TOKENS)))
