@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import diagnostics, kv_device, kv_rows
+from . import diagnostics, kv_device, kv_prefill, kv_rows
 from .allocator import BlockAllocator, BlockReclaimer
 from .elastic_allocator import ElasticBlockAllocator
 from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
@@ -362,6 +362,17 @@ class PagedKvCache:
         kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
                              check_blocks=self._allocator.check_writable,
                              nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr))
+
+    def plan_layer_writes(self, layers, k_rows, v_rows, gpu: GpuBackend, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> kv_prefill.LayerWritePlan:
+        """A `pagedkv.kv_prefill.LayerWritePlan`: the prefill writes of `layers` from the device
+        rows `k_rows[i]`, `v_rows[i]`, each `plan.write(slots, stream)` one launch on
+        CudaBackend (a `write_tokens` per layer elsewhere, destination blocks checked as
+        there); `plan.close()` frees its device table."""
+        return kv_prefill.LayerWritePlan(
+            self._pools, layers, k_rows, v_rows, gpu, k_scale, v_scale,
+            nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr),
+            check_blocks=self._allocator.check_writable)
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
                     k_scale: float = 1.0, v_scale: float = 1.0, *, out_k=None, out_v=None,

@@ -17,6 +17,9 @@ Names (`CAPABILITIES` maps each to what it promises):
   enqueued on one of the backend's streams (DLPack exports to CUDA consumers need it).
 - "host_view": `view(ptr, nbytes)` returns the device bytes as a writable numpy array
   (a backend whose addresses are not host addresses, like HostBackend, exports through it).
+- "graphs": `capture(stream, mode="global")` is a context manager that captures the
+  stream-ordered work enqueued on `stream` inside it into a graph with `launch(stream)`
+  (replay) and `close()`; a call that cannot be captured raises `GraphCaptureError`.
 - "vmm": virtual memory for elastic pools: `vmm_granularity()`, `reserve_address(nbytes)`,
   `map_chunk(ptr, nbytes)`, `unmap_chunk(ptr, nbytes)`, `release_address(ptr)`
   (`PagedKvCache(..., elastic=True)` needs it).
@@ -44,6 +47,7 @@ CAPABILITIES: dict[str, str] = {
     "batched_copy": "fill_blocks and copy_blocks in one launch for every region and block",
     "stream_wait": "make_stream_wait(waiting, on) across streams",
     "host_view": "view(ptr, nbytes): device bytes as a host numpy array",
+    "graphs": "capture(stream) -> a context manager yielding a CUDA graph of the block's stream work, with launch(stream) and close()",
     "vmm": "vmm_granularity, reserve_address, map_chunk, unmap_chunk and release_address (elastic pools)",
     "host_tier": "alloc_swap_memory, copy_batch_async and events (a host tier's batched swaps)",
     "device:cpu": "device pointers are host addresses, or reached through view() with host_view (DLPack kDLCPU)",

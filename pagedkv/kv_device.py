@@ -82,6 +82,13 @@ def host_slots(slots: Any, gpu: Any) -> Any:
     return slots
 
 
+def rows_array(x: Any, what: str, gpu: Any, heads: int, head_dim: int, tokens: int | None) -> DeviceArray:
+    """`x` (a device input) as a DeviceArray of `[tokens, heads, head_dim]` float32 or BF16
+    rows on `gpu`'s device (any token count when `tokens` is None); TypeError/ValueError
+    naming `what` otherwise. A DLPack producer is read on the legacy default stream."""
+    return _rows(device_array(x, what, gpu, 0), what, heads, head_dim, tokens)
+
+
 def _rows(x: DeviceArray, what: str, heads: int, head_dim: int, tokens: int | None) -> DeviceArray:
     if x.dtype.name not in ("float32", "bfloat16"):
         raise TypeError(f"{what} must be float32 or bfloat16, got dtype {x.dtype.name}")
@@ -91,7 +98,8 @@ def _rows(x: DeviceArray, what: str, heads: int, head_dim: int, tokens: int | No
     return x
 
 
-def _slot_array(slots: Any, gpu: Any, stream: int) -> DeviceArray:
+def slot_array(slots: Any, gpu: Any, stream: int) -> DeviceArray:
+    """`slots` as a 1-D int64 DeviceArray on `gpu`'s device; TypeError otherwise."""
     arr = device_array(slots, "slots", gpu, stream)
     if arr.dtype.name != "int64" or len(arr.shape) != 1:
         raise TypeError(f"device slots must be a 1-D int64 array, got {arr.dtype.name} of shape {arr.shape}")
@@ -106,7 +114,7 @@ def write_tokens(pools, layer: int, geometry, slots, k, v, gpu, stream: int, k_s
     heads, head_dim, k_fmt, v_fmt = geometry
     config = pools.config()
     aliased = config.v_aliases_k
-    slot_arr = _slot_array(slots, gpu, stream)
+    slot_arr = slot_array(slots, gpu, stream)
     k_arr = _rows(device_array(k, "k", gpu, stream), "k", heads, head_dim, slot_arr.shape[0])
     k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
                         k_arr.dtype.name == "bfloat16", k_scale)
@@ -128,7 +136,7 @@ def read_tokens(pools, layer: int, geometry, slots, gpu, stream: int, unrotate: 
     `write_tokens`."""
     heads, head_dim, k_fmt, v_fmt = geometry
     config = pools.config()
-    slot_arr = _slot_array(slots, gpu, stream)
+    slot_arr = slot_array(slots, gpu, stream)
     tokens = slot_arr.shape[0]
     k_arr = _rows(device_array(out_k, "out_k", gpu, stream), "out_k", heads, head_dim, tokens)
     v_arr = _rows(device_array(out_v, "out_v", gpu, stream), "out_v", heads, head_dim, tokens)

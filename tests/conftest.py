@@ -43,11 +43,17 @@ def stub_env(tmp_path_factory):
     return make_stub_env(tmp_path_factory.mktemp("stub_libcuda"), tmp_path_factory.mktemp("kernel_cache"))
 
 
-@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["host", "torch_arena", pytest.param("cuda", marks=pytest.mark.cuda)])
 def gpu(request):
-    """The backend under test: HostBackend always, CudaBackend where a GPU is present."""
+    """The backend under test: HostBackend always, TorchArenaBackend where torch is
+    installed, CudaBackend where a GPU is present."""
     if request.param == "host":
         return HostBackend(capacity_bytes=HOST_CAPACITY)
+    if request.param == "torch_arena":
+        pytest.importorskip("torch", reason="torch is not installed (the interop extra)")
+        from pagedkv.backends.torch_arena import TorchArenaBackend
+
+        return TorchArenaBackend(capacity_bytes=HOST_CAPACITY)
     return request.getfixturevalue("cuda_session")
 
 

@@ -41,7 +41,7 @@ def test_host_backend_states_its_capabilities():
 def test_cuda_backend_states_its_capabilities_without_a_device():
     from pagedkv.driver import CudaBackend
 
-    assert CudaBackend.SUPPORTED == {"pinned", "batched_copy", "stream_wait", "host_tier", "device:cuda"}
+    assert CudaBackend.SUPPORTED == {"pinned", "batched_copy", "stream_wait", "host_tier", "graphs", "device:cuda"}
     assert CudaBackend.supports(object.__new__(CudaBackend), "host_view") is False
 
 

@@ -402,6 +402,12 @@ def test_elastic_cache_on_every_backend(gpu):
     own granularity: a step maps every pool, kernels and copies work on mapped blocks, and
     shrink gives back exactly what mem_info sees."""
     cfg = KvCacheConfig(block_size=16, num_kv_heads=8, head_dim=128, num_layers=2, dtype="bf16")
+    if not gpu.supports("vmm"):  # TorchArenaBackend: refused before anything is touched
+        before = gpu.mem_info()
+        with pytest.raises(BackendFeatureMissing, match=f"supports 'vmm' .*; {type(gpu).__name__} does not"):
+            PagedKvCache(cfg, 8, gpu, elastic=True)
+        assert gpu.mem_info() == before
+        return
     granularity = gpu.vmm_granularity()
     step = max(1, granularity // cfg.k_block_bytes_for_layer(0))
     cache = PagedKvCache(cfg, 4 * step, gpu, elastic=True)

@@ -4,7 +4,8 @@ block kernels compiled at run time by NVRTC.
 Importing this package calls nothing in the driver, loads no libcuda and compiles
 nothing (CUDA initialised in a parent process breaks forked children): `CudaBackend`,
 `CudaError`, `CudaUnavailable`, `CudaOutOfMemory`, `BackendClosed`,
-`UnsupportedArchitecture`, `PinnedBuffer` and `SwapMemory` are imported on first
+`UnsupportedArchitecture`, `PinnedBuffer`, `SwapMemory`, `CudaGraph` and `GraphCaptureError` are
+imported on first
 use, and the first `CudaBackend()` initialises the driver.
 """
 
@@ -19,8 +20,10 @@ __all__ = [
     "BackendClosed",
     "CudaBackend",
     "CudaError",
+    "CudaGraph",
     "CudaOutOfMemory",
     "CudaUnavailable",
+    "GraphCaptureError",
     "PinnedBuffer",
     "SwapMemory",
     "UnsupportedArchitecture",
@@ -31,6 +34,8 @@ _LAZY = {
     "BackendClosed": "errors",
     "CudaBackend": "backend",
     "CudaError": "errors",
+    "CudaGraph": "graphs",
+    "GraphCaptureError": "graphs",
     "CudaOutOfMemory": "errors",
     "CudaUnavailable": "errors",
     "check": "errors",

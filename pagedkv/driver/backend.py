@@ -18,6 +18,7 @@ from ..validate import non_negative_int
 from ._bindings import driver as _driver
 from .device import load_driver, read_device_facts
 from .errors import BackendClosed, CudaUnavailable, check
+from .graphs import GraphCapture
 from .kv_kernels import KvKernels
 from .kernels import KERNELS, REDUCE_THREADS, THREADS, BlockKernels
 from .memory import MemoryAndCopies
@@ -29,7 +30,7 @@ __all__ = ["CudaBackend", "KERNELS", "REDUCE_THREADS", "THREADS"]
 _log = get_logger("cuda")
 
 
-class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels, HostSwaps):
+class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels, HostSwaps, GraphCapture):
     """The GpuBackend of one CUDA device (`device` ordinal), in its primary context.
 
     Construction initialises the driver, retains the primary context and loads the
@@ -150,6 +151,7 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels, HostSwaps):
         attempt(self._mapped_staging.close)
         for event in list(self._events):
             attempt(self.destroy_event, event)
+        self._close_graphs(attempt)
         leaked = len(self._allocs) + len(self._pinned) + len(self._swap) + len(self._streams)
         if leaked:
             _log.warning(
@@ -172,11 +174,11 @@ class CudaBackend(MemoryAndCopies, BlockKernels, KvKernels, HostSwaps):
             attempt(lambda m=module: check(driver.cuModuleUnload(m.handle), "cuModuleUnload"))
         self._modules, self._launchers = [], {}
 
-    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "host_tier", "device:cuda"})
+    SUPPORTED = frozenset({"pinned", "batched_copy", "stream_wait", "host_tier", "graphs", "device:cuda"})
     """The capabilities CudaBackend states (see pagedkv.capabilities)."""
 
     def supports(self, name: str) -> bool:
-        """True for "pinned", "batched_copy", "stream_wait", "host_tier" and "device:cuda", and for "vmm"
+        """True for "pinned", "batched_copy", "stream_wait", "host_tier", "graphs" and "device:cuda", and for "vmm"
         when the device reports virtual memory management; ValueError for an unknown name."""
         if check_capability_name(name) == "vmm":
             from . import vmm

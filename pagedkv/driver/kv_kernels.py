@@ -1,7 +1,7 @@
 """KV rows on the device: the launches of `pagedkv_kv_write` / `pagedkv_kv_read`
 (nvrtc_src/kv_rows.cu), byte-exact with the host codecs of pagedkv.codecs.
 
-`KvKernels` is a mixin of CudaBackend. Its two methods take device addresses only and
+`KvKernels` is a mixin of CudaBackend. Its launch methods take device addresses only and
 enqueue one kernel launch on `stream`: no host synchronisation, no allocation and no copy
 per call (the rotation sign tables are constants of the kernel source), so a step can be captured in a CUDA graph after a first call.
 `KvSideArgs` names one side of a call: its format, pool and rows.
@@ -75,8 +75,57 @@ class KvReadArgs(ctypes.Structure):
     _fields_ = _fields(counter=False)
 
 
-KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS)]
+class KvWriteLayersArgs(ctypes.Structure):
+    """Parameters of `pagedkv_kv_write_layers` (kv_rows.cu)."""
+
+    _fields_ = [
+        ("layers", ctypes.c_uint64),
+        ("num_layers", ctypes.c_int32),
+        ("slots", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("limit", ctypes.c_int64),
+        ("nonfinite", ctypes.c_uint64),
+    ]
+
+
+class KvLayerSide(ctypes.Structure):
+    """One side of one layer in the device table of `pagedkv_kv_write_layers` (struct
+    KvLayerSide in kv_rows.cu)."""
+
+    _fields_ = [
+        ("pool", ctypes.c_uint64),
+        ("block_stride", ctypes.c_int64),
+        ("rows", ctypes.c_uint64),
+        ("row_stride", ctypes.c_int64),
+        ("fmt", ctypes.c_int32),
+        ("bf16", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("first", ctypes.c_int32),
+        ("last", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
+
+
+class KvLayer(ctypes.Structure):
+    """One layer of the device table of `pagedkv_kv_write_layers` (struct KvLayer in kv_rows.cu)."""
+
+    _fields_ = [
+        ("heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("inv_sqrt_n", ctypes.c_float),
+        ("pad", ctypes.c_int32),
+        ("side", KvLayerSide * 2),
+    ]
+
+
+KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS),
+                ("pagedkv_kv_write_layers", KvWriteLayersArgs, KV_THREADS)]
 """(kernel name, argument structure, threads per CTA) of kv_rows.cu."""
+
+
+def _inv_sqrt_n(head_dim: int) -> float:
+    return float(np.float32(1.0 / np.sqrt(head_dim)))
 
 
 @dataclass(frozen=True)
@@ -121,12 +170,44 @@ class KvKernels:
             )
         return {f"{prefix}_{k}": v for k, v in fields.items()}
 
+    def kv_layer_table(self, layers) -> bytes:
+        """The device table of `kv_write_layers`: for each layer of `layers`, (heads,
+        head_dim, K side, V side) as KvSideArgs of the rows to write (a side with fmt None
+        is not touched), packed as kv_rows.cu's KvLayer array."""
+        table = (KvLayer * len(layers))()
+        for entry, (heads, head_dim, k, v) in zip(table, layers):
+            entry.heads, entry.head_dim, entry.inv_sqrt_n = heads, head_dim, _inv_sqrt_n(head_dim)
+            for i, (prefix, side) in enumerate((("k", k), ("v", v))):
+                fields = self._side_fields(prefix, side, head_dim, False)
+                target = entry.side[i]
+                target.pool, target.block_stride = fields[f"{prefix}_pool"], fields[f"{prefix}_block_stride"]
+                target.rows, target.row_stride = fields[f"{prefix}_rows"], fields[f"{prefix}_row_stride"]
+                target.fmt, target.bf16, target.scale = fields[f"{prefix}_fmt"], fields[f"{prefix}_bf16"], fields[f"{prefix}_scale"]
+                target.first, target.last = fields[f"{prefix}_first"], fields[f"{prefix}_last"]
+        return bytes(table)
+
+    def kv_write_layers(self, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
+                        block_size: int, limit: int, stream: int, nonfinite: int = 0) -> None:
+        """Enqueue on `stream` one launch writing `num_tokens` rows of each of the
+        `num_layers` layers of the device table at `table` (`kv_layer_table`'s bytes, in
+        this backend's memory) into the slots at `slots`, as `kv_write_rows` does per layer.
+        Nothing is checked on the device."""
+        handle = self._stream(stream)
+        if num_tokens == 0 or num_layers == 0:
+            return
+        with self._lock:
+            self._enter()
+            name = "pagedkv_kv_write_layers"
+            self._launchers[name].launch(
+                self._grid(name, 2 * num_tokens * num_layers), handle, layers=int(table), num_layers=num_layers,
+                slots=int(slots), num_tokens=num_tokens, block_size=block_size, limit=limit, nonfinite=int(nonfinite))
+
     def _kv_launch(self, name: str, slots: int, num_tokens: int, heads: int, head_dim: int, block_size: int,
                    limit: int, k: KvSideArgs, v: KvSideArgs, stream: int, extra: dict) -> None:
         handle = self._stream(stream)
         if num_tokens == 0:
             return
-        inv_sqrt_n = float(np.float32(1.0 / np.sqrt(head_dim)))
+        inv_sqrt_n = _inv_sqrt_n(head_dim)
         with self._lock:
             self._enter()
             fields = dict(

@@ -15,6 +15,8 @@
 // (-1 included) is skipped by the write; the read gives a row of zeros for it.
 // NaN and inf inputs are counted into *nonfinite (when given) and encoded as the IEEE
 // rules make them; the host codec refuses them instead.
+// pagedkv_kv_write_layers writes the same tokens' rows of many layers in one launch (a
+// prefill), each layer's geometry, pools and rows read from a device table of KvLayer.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -277,6 +279,58 @@ __device__ __forceinline__ SideGeometry geometry(int fmt, int n, int block_size)
 
 __shared__ float kv_buf[MAX_ROTATED_DIM];
 
+// Encode token `token`'s row of one side (format `fmt`, rows at `src` `row_stride` elements
+// apart, BF16 when `bf16`) into `slot` of the pool at `pool`; by the CTA. The number of
+// NaN/inf inputs this thread read.
+__device__ u32 write_row(int fmt, u64 pool, i64 block_stride, u64 src, i64 row_stride, int bf16, float scale,
+                         int first, int last, int heads, int head_dim, float inv_sqrt_n, int block_size,
+                         i64 slot, int token) {
+    const int n = heads * head_dim;
+    u32 bad = 0;
+    const i64 row = (i64)token * row_stride;
+    const SideGeometry g = geometry(fmt, n, block_size);
+    const i64 block = slot / block_size, offset = slot - block * block_size;
+    u8* base = (u8*)(pool + block * block_stride);
+    u8* data = base + offset * g.row_bytes;
+    u8* scales = base + g.data_section + offset * g.scale_row_bytes;
+    if (fmt == FMT_BF16 || fmt == FMT_FP8) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float x = load_value(src, bf16, row + i);
+            bad += is_nonfinite(x);
+            if (fmt == FMT_BF16) ((u16*)data)[i] = (u16)bf16_encode(x);
+            else data[i] = (u8)e4m3_encode(x / scale);
+        }
+        return bad;
+    }
+    const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
+    if (first < 0) {
+        for (int gi = threadIdx.x; gi < n / GROUP; gi += blockDim.x) {
+            float x[GROUP];
+            for (int i = 0; i < GROUP; i++) {
+                x[i] = load_value(src, bf16, row + gi * GROUP + i);
+                bad += is_nonfinite(x[i]);
+            }
+            encode_group(fmt, x, data + gi * group_bytes, scales + gi * ssize);
+        }
+        return bad;
+    }
+    for (int h = 0; h < heads; h++) {
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            const float x = load_value(src, bf16, row + h * head_dim + d);
+            bad += is_nonfinite(x);
+            kv_buf[d] = x;
+        }
+        __syncthreads();
+        rotate_shared(kv_buf, head_dim, first, last, inv_sqrt_n);
+        for (int gi = threadIdx.x; gi < head_dim / GROUP; gi += blockDim.x) {
+            const int group = h * (head_dim / GROUP) + gi;
+            encode_group(fmt, kv_buf + gi * GROUP, data + group * group_bytes, scales + group * ssize);
+        }
+        __syncthreads();
+    }
+    return bad;
+}
+
 extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
     const i64* __restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,
     float inv_sqrt_n, unsigned long long* nonfinite,
@@ -285,7 +339,6 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
     int v_fmt, u64 v_pool, i64 v_block_stride, u64 v_src, i64 v_row_stride, int v_bf16, float v_scale,
     int v_first, int v_last)
 {
-    const int n = heads * head_dim;
     const i64 items = 2 * (i64)num_tokens;
     u32 bad = 0;
     for (i64 item = blockIdx.x; item < items; item += gridDim.x) {
@@ -293,52 +346,52 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
         const int fmt = side ? v_fmt : k_fmt;
         const i64 slot = slots[token];
         if (fmt < 0 || slot < 0 || slot >= limit) continue;
-        const u64 src = side ? v_src : k_src;
-        const int bf16 = side ? v_bf16 : k_bf16;
-        const i64 row = (i64)token * (side ? v_row_stride : k_row_stride);
-        const int first = side ? v_first : k_first;
-        const int last = side ? v_last : k_last;
-        const SideGeometry g = geometry(fmt, n, block_size);
-        const i64 block = slot / block_size, offset = slot - block * block_size;
-        u8* base = (u8*)((side ? v_pool : k_pool) + block * (side ? v_block_stride : k_block_stride));
-        u8* data = base + offset * g.row_bytes;
-        u8* scales = base + g.data_section + offset * g.scale_row_bytes;
-        if (fmt == FMT_BF16 || fmt == FMT_FP8) {
-            const float scale = side ? v_scale : k_scale;
-            for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                const float x = load_value(src, bf16, row + i);
-                bad += is_nonfinite(x);
-                if (fmt == FMT_BF16) ((u16*)data)[i] = (u16)bf16_encode(x);
-                else data[i] = (u8)e4m3_encode(x / scale);
-            }
-            continue;
-        }
-        const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
-        if (first < 0) {
-            for (int gi = threadIdx.x; gi < n / GROUP; gi += blockDim.x) {
-                float x[GROUP];
-                for (int i = 0; i < GROUP; i++) {
-                    x[i] = load_value(src, bf16, row + gi * GROUP + i);
-                    bad += is_nonfinite(x[i]);
-                }
-                encode_group(fmt, x, data + gi * group_bytes, scales + gi * ssize);
-            }
-            continue;
-        }
-        for (int h = 0; h < heads; h++) {
-            for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-                const float x = load_value(src, bf16, row + h * head_dim + d);
-                bad += is_nonfinite(x);
-                kv_buf[d] = x;
-            }
-            __syncthreads();
-            rotate_shared(kv_buf, head_dim, first, last, inv_sqrt_n);
-            for (int gi = threadIdx.x; gi < head_dim / GROUP; gi += blockDim.x) {
-                const int group = h * (head_dim / GROUP) + gi;
-                encode_group(fmt, kv_buf + gi * GROUP, data + group * group_bytes, scales + group * ssize);
-            }
-            __syncthreads();
-        }
+        bad += side ? write_row(fmt, v_pool, v_block_stride, v_src, v_row_stride, v_bf16, v_scale, v_first, v_last,
+                                heads, head_dim, inv_sqrt_n, block_size, slot, token)
+                    : write_row(fmt, k_pool, k_block_stride, k_src, k_row_stride, k_bf16, k_scale, k_first, k_last,
+                                heads, head_dim, inv_sqrt_n, block_size, slot, token);
+    }
+    if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
+}
+
+// One side of one layer of pagedkv_kv_write_layers (KvLayerSide in driver/kv_kernels.py).
+struct KvLayerSide {
+    u64 pool;
+    i64 block_stride;
+    u64 rows;
+    i64 row_stride;
+    int fmt, bf16;
+    float scale;
+    int first, last, pad;
+};
+
+// One layer of pagedkv_kv_write_layers (KvLayer in driver/kv_kernels.py).
+struct KvLayer {
+    int heads, head_dim;
+    float inv_sqrt_n;
+    int pad;
+    KvLayerSide side[2];
+};
+
+// The same tokens' rows of `num_layers` layers (a prefill) in one launch: item
+// (layer, token, side) as pagedkv_kv_write does for one layer, with each layer's
+// geometry, pools and rows read from the device table `layers`.
+extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write_layers(
+    const KvLayer* __restrict__ layers, int num_layers, const i64* __restrict__ slots, int num_tokens,
+    int block_size, i64 limit, unsigned long long* nonfinite)
+{
+    const i64 per_layer = 2 * (i64)num_tokens, items = per_layer * num_layers;
+    u32 bad = 0;
+    for (i64 item = blockIdx.x; item < items; item += gridDim.x) {
+        const int layer = (int)(item / per_layer);
+        const i64 rest = item - layer * per_layer;
+        const int token = (int)(rest >> 1), side = (int)(rest & 1);
+        const KvLayer& L = layers[layer];
+        const KvLayerSide& S = L.side[side];
+        const i64 slot = slots[token];
+        if (S.fmt < 0 || slot < 0 || slot >= limit) continue;
+        bad += write_row(S.fmt, S.pool, S.block_stride, S.rows, S.row_stride, S.bf16, S.scale, S.first, S.last,
+                         L.heads, L.head_dim, L.inv_sqrt_n, block_size, slot, token);
     }
     if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
 }

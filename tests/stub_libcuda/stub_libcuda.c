@@ -49,6 +49,9 @@ static int swap_driver_version(void);
 static void swap_host_alloc_recorded(void *p, size_t size, unsigned flags);
 static void swap_host_free_recorded(void *p);
 static int swap_proc_address(const char *symbol, int version, void **pfn, int *status);
+/* CAPTURE (CUDA graphs): defined in its section at the end of the file */
+static const char *capture_status_name(int code, const char **text);
+static int capture_unsafe_call(void);
 
 enum {
     SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
@@ -81,14 +84,15 @@ static const struct { int code; const char *name, *text; } STATUS[] = {
 CUresult cuGetErrorName(CUresult error, const char **out) {
     for (size_t i = 0; i < NSTATUS; i++)
         if (STATUS[i].code == error) { *out = STATUS[i].name; return SUCCESS; }
-    *out = NULL;
+    const char *text;
+    if ((*out = capture_status_name(error, &text))) return SUCCESS;
     return INVALID_VALUE;
 }
 
 CUresult cuGetErrorString(CUresult error, const char **out) {
     for (size_t i = 0; i < NSTATUS; i++)
         if (STATUS[i].code == error) { *out = STATUS[i].text; return SUCCESS; }
-    *out = NULL;
+    if (capture_status_name(error, out)) return SUCCESS;
     return INVALID_VALUE;
 }
 
@@ -284,6 +288,7 @@ static int device_range_ok(CUdeviceptr p, size_t n) {
 CUresult cuMemAlloc(CUdeviceptr *dptr, size_t size) {
     ENTER("cuMemAlloc");
     NEED_CTX();
+    { int capture_st = capture_unsafe_call(); if (capture_st) return capture_st; }
     if (!dptr || size == 0) return INVALID_VALUE;
     if (size > total_mem - used_mem || nallocs == MAX_ALLOCS) return OUT_OF_MEMORY;
     void *map;
@@ -304,6 +309,7 @@ CUresult cuMemAlloc(CUdeviceptr *dptr, size_t size) {
 CUresult cuMemFree(CUdeviceptr dptr) {
     ENTER("cuMemFree");
     NEED_CTX();
+    { int capture_st = capture_unsafe_call(); if (capture_st) return capture_st; }
     int st = drain_all(); /* like the driver, freeing waits for the device */
     if (st) return st;
     for (int i = 0; i < nallocs; i++) {
@@ -334,6 +340,7 @@ int stub_live_host_allocations(void) { return nhost; }
 CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
     ENTER("cuMemHostAlloc");
     NEED_CTX();
+    { int capture_st = capture_unsafe_call(); if (capture_st) return capture_st; }
     if (!pp || size == 0 || nhost == MAX_HOST) return INVALID_VALUE;
     if (flags & ~7u) return INVALID_VALUE; /* PORTABLE | DEVICEMAP | WRITECOMBINED */
     *pp = aligned_alloc(4096, (size + 4095) / 4096 * 4096);
@@ -346,6 +353,7 @@ CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
 CUresult cuMemFreeHost(void *p) {
     ENTER("cuMemFreeHost");
     NEED_CTX();
+    { int capture_st = capture_unsafe_call(); if (capture_st) return capture_st; }
     int st = drain_all();
     if (st) return st;
     for (int i = 0; i < nhost; i++) {
@@ -416,6 +424,17 @@ struct Op {
 };
 
 static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* CAPTURE hooks (defined in its section at the end of the file; queue_lock held) */
+static int capture_divert(Stream *s, Op *op);
+static int capture_use_status(Stream *s);
+static int capture_sync_status(Stream *s);
+static int capture_ctx_sync_status(void);
+static int capture_sync_copy_status(void);
+static void capture_note_event(Event *e, Stream *s);
+static void capture_forget_event(Event *e);
+static int capture_event_status(Event *e);
+static int capture_wait_status(Stream *s, Event *e);
 static Stream legacy_stream = {1, NULL, NULL, 0};
 static Stream *queues[2 * MAX_HANDLES]; /* created streams and per-thread default streams */
 static int nqueues;
@@ -473,6 +492,7 @@ static void add_dep(Op *op, Stream *s, uint64_t seq) {
 /* Append `op` to `s` with the legacy/blocking dependencies it has at this point. */
 static void enqueue(Stream *s, Op *op) {
     op->seq = ++next_seq;
+    if (capture_divert(s, op)) return;
     if (s == &legacy_stream) {
         for (int i = 0; i < nqueues; i++)
             if (queues[i]->blocking && queues[i]->head) add_dep(op, queues[i], queues[i]->last_seq);
@@ -573,7 +593,8 @@ CUresult cuCtxSynchronize(void) {
     ENTER("cuCtxSynchronize");
     NEED_CTX();
     pthread_mutex_lock(&queue_lock);
-    int st = run_all();
+    int st = capture_ctx_sync_status();
+    if (!st) st = run_all();
     pthread_mutex_unlock(&queue_lock);
     return st;
 }
@@ -632,7 +653,8 @@ static CUresult stream_synchronize(CUstream s) {
     NEED_CTX();
     pthread_mutex_lock(&queue_lock);
     Stream *q = queue_of(s);
-    int st = q ? run_until(q, q->last_seq) : INVALID_HANDLE;
+    int st = q ? capture_sync_status(q) : INVALID_HANDLE;
+    if (!st) st = run_until(q, q->last_seq);
     pthread_mutex_unlock(&queue_lock);
     return st;
 }
@@ -642,7 +664,8 @@ static CUresult stream_query(CUstream s) {
     NEED_CTX();
     pthread_mutex_lock(&queue_lock);
     Stream *q = queue_of(s);
-    int st = !q ? INVALID_HANDLE : q->head ? NOT_READY : SUCCESS;
+    int st = !q ? INVALID_HANDLE : capture_sync_status(q);
+    if (!st) st = q->head ? NOT_READY : SUCCESS;
     pthread_mutex_unlock(&queue_lock);
     return st;
 }
@@ -672,6 +695,7 @@ CUresult cuEventDestroy(CUevent e) {
     for (int k = 0; k < n; k++)
         for (Op *op = all[k]->head; op; op = op->next)
             if (op->event == e) op->event = NULL;
+    capture_forget_event(e);
     free(e);
     events[i] = events[--nevents];
     pthread_mutex_unlock(&queue_lock);
@@ -683,12 +707,15 @@ static CUresult event_record(CUevent e, CUstream s) {
     pthread_mutex_lock(&queue_lock);
     Stream *q = queue_of(s);
     if (find_handle(events, nevents, e) < 0 || !q) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    int capture_st = capture_use_status(q);
+    if (capture_st) { pthread_mutex_unlock(&queue_lock); return capture_st; }
     Op *op = new_op(OP_EVENT);
     op->event = e;
     enqueue(q, op);
     ((Event *)e)->stream = q;
     ((Event *)e)->seq = op->seq;
     ((Event *)e)->done = 0;
+    capture_note_event(e, q);
     pthread_mutex_unlock(&queue_lock);
     return SUCCESS;
 }
@@ -700,6 +727,7 @@ CUresult cuEventSynchronize(CUevent e) {
     pthread_mutex_lock(&queue_lock);
     int st = SUCCESS;
     if (find_handle(events, nevents, e) < 0) st = INVALID_HANDLE;
+    else if ((st = capture_event_status(e))) {}
     else if (((Event *)e)->seq && !((Event *)e)->done) st = run_until(((Event *)e)->stream, ((Event *)e)->seq);
     pthread_mutex_unlock(&queue_lock);
     return st;
@@ -710,6 +738,7 @@ CUresult cuEventQuery(CUevent e) {
     NEED_CTX();
     pthread_mutex_lock(&queue_lock);
     int st = find_handle(events, nevents, e) < 0 ? INVALID_HANDLE
+             : capture_event_status(e) ? 900 /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
              : (((Event *)e)->seq && !((Event *)e)->done) ? NOT_READY : SUCCESS;
     pthread_mutex_unlock(&queue_lock);
     return st;
@@ -722,6 +751,7 @@ static CUresult stream_wait_event(CUstream s, CUevent e, unsigned flags) {
     int st = SUCCESS;
     if (!q || find_handle(events, nevents, e) < 0) st = INVALID_HANDLE;
     else if (flags != 0) st = INVALID_VALUE;
+    else if ((st = capture_use_status(q)) || (st = capture_wait_status(q, e))) {}
     else {
         Op *op = new_op(OP_WAIT);
         Event *ev = e;
@@ -748,6 +778,8 @@ static CUresult enqueue_bytes(int kind, CUstream s, void *dst, const void *src, 
     pthread_mutex_lock(&queue_lock);
     Stream *q = queue_of(s);
     if (!q) { pthread_mutex_unlock(&queue_lock); return INVALID_HANDLE; }
+    int capture_st = capture_use_status(q);
+    if (capture_st) { pthread_mutex_unlock(&queue_lock); return capture_st; }
     Op *op = new_op(kind);
     op->dst = dst; op->src = src; op->value = value; op->n = n;
     enqueue(q, op);
@@ -758,7 +790,8 @@ static CUresult enqueue_bytes(int kind, CUstream s, void *dst, const void *src, 
 /* A synchronous copy: waits for the work it is ordered after, then copies. */
 static CUresult sync_copy(void *dst, const void *src, size_t n) {
     pthread_mutex_lock(&queue_lock);
-    int st = run_before_sync_op();
+    int st = capture_sync_copy_status();
+    if (!st) st = run_before_sync_op();
     if (!st) memmove(dst, src, n);
     pthread_mutex_unlock(&queue_lock);
     return st;
@@ -1088,9 +1121,10 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
     }
     pthread_mutex_lock(&queue_lock);
     Stream *q = queue_of(s);
-    if (q) enqueue(q, op);
+    int capture_st = q ? capture_use_status(q) : INVALID_HANDLE;
+    if (!capture_st) enqueue(q, op);
     pthread_mutex_unlock(&queue_lock);
-    if (!q) { free_op(op); return INVALID_HANDLE; }
+    if (capture_st) { free_op(op); return capture_st; }
     return SUCCESS;
 }
 
@@ -1690,3 +1724,397 @@ static int swap_proc_address(const char *symbol, int version, void **pfn, int *s
     return SUCCESS;
 }
 /* ---- end of CUDASWAP additions ---- */
+
+/* ---- CAPTURE (CUDA graphs) additions -------------------------------------------------------
+ *
+ * Stream capture, the graphs it builds and their replay, with the driver's refusals of what
+ * cannot be captured (the CUDA programming guide's "prohibited and unhandled operations"):
+ *
+ * - cuStreamBeginCapture(stream, mode) on a created stream (the legacy stream cannot
+ *   capture: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED). From then on the stream's launches,
+ *   async copies and memsets become graph nodes, in order, instead of queued work; an event
+ *   record on it is a capture-internal record (no node; the event is then "captured"), a
+ *   wait on it for an event of the same capture or one recorded outside any capture adds
+ *   nothing (the stub has one linear chain per capture). Multi-stream capture (a stream
+ *   joining a capture by waiting on a captured event) is not modelled: CUDA_ERROR_NOT_SUPPORTED.
+ * - While a capture is ongoing (active, or invalidated and not ended):
+ *   cuStreamSynchronize/cuStreamQuery of the capturing stream, cuCtxSynchronize, and
+ *   cuEventSynchronize/cuEventQuery of a captured event return
+ *   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900) and invalidate the capture; any use of the
+ *   legacy stream (work, synchronous copies, synchronize, query) while a blocking stream
+ *   captures returns CUDA_ERROR_STREAM_CAPTURE_IMPLICIT (906) and invalidates those
+ *   captures (cuStreamIsCapturing of the legacy stream returns 906 without invalidating);
+ *   potentially unsafe calls (cuMemAlloc, cuMemFree, cuMemHostAlloc, cuMemFreeHost,
+ *   synchronous copies) return 900 and invalidate the captures that prohibit them: under
+ *   the calling thread's mode GLOBAL (the default; cuThreadExchangeStreamCaptureMode sets
+ *   it) its own non-RELAXED captures and other threads' GLOBAL ones, under THREAD_LOCAL its
+ *   own non-RELAXED ones, under RELAXED none. Work on an invalidated capturing stream
+ *   returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901).
+ * - cuStreamEndCapture returns the graph, or 901 with a NULL graph for an invalidated
+ *   capture (either way the stream leaves capture mode); CUDA_ERROR_ILLEGAL_STATE when the
+ *   stream is not capturing, CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD (908) from another
+ *   thread for a non-RELAXED capture.
+ * - cuGraphInstantiate(exec, graph, flags) (cuGraphInstantiateWithFlags, as cuda-bindings 13
+ *   calls it) copies the nodes;
+ *   cuGraphLaunch(exec, stream) enqueues a copy of every node on the stream, in order, as
+ *   ordinary queued work (kernels run by the harness when something waits; into a capture
+ *   when that stream captures); cuGraphExecDestroy / cuGraphDestroy free them.
+ * stub_live_graphs() / stub_live_graph_execs() count what is not destroyed yet;
+ * stub_graph_nodes(graph) the nodes of a graph (-1: no such graph).
+ */
+
+enum {
+    ILLEGAL_STATE = 401, CAPTURE_UNSUPPORTED = 900, CAPTURE_INVALIDATED = 901, CAPTURE_IMPLICIT = 906,
+    CAPTURE_WRONG_THREAD = 908,
+};
+enum { CAPTURE_MODE_GLOBAL = 0, CAPTURE_MODE_THREAD_LOCAL = 1, CAPTURE_MODE_RELAXED = 2 };
+enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALID = 2 };
+
+typedef struct Graph { Op **nodes; int n, cap; } Graph;
+typedef struct GraphExec { Graph nodes; } GraphExec;
+typedef struct Capture {
+    Stream *stream;
+    int status, mode;
+    uint64_t id;
+    pthread_t thread;
+    Graph *graph;
+} Capture;
+
+static Capture captures[MAX_HANDLES];
+static int ncaptures;
+static uint64_t next_capture_id;
+static struct { Event *event; uint64_t capture; } captured_events[MAX_HANDLES];
+static int ncaptured_events;
+static void *graphs[MAX_HANDLES], *graph_execs[MAX_HANDLES];
+static int ngraphs, ngraph_execs;
+static __thread int thread_capture_mode = CAPTURE_MODE_GLOBAL;
+
+int stub_live_graphs(void) { return ngraphs; }
+int stub_live_graph_execs(void) { return ngraph_execs; }
+
+int stub_graph_nodes(void *graph) {
+    pthread_mutex_lock(&queue_lock);
+    int n = find_handle(graphs, ngraphs, graph) >= 0 ? ((Graph *)graph)->n : -1;
+    pthread_mutex_unlock(&queue_lock);
+    return n;
+}
+
+static const char *capture_status_name(int code, const char **text) {
+    switch (code) {
+    case ILLEGAL_STATE: *text = "operation not permitted in the current state"; return "CUDA_ERROR_ILLEGAL_STATE";
+    case CAPTURE_UNSUPPORTED: *text = "operation not permitted when stream is capturing"; return "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
+    case CAPTURE_INVALIDATED: *text = "operation failed due to a previous error during capture"; return "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED";
+    case CAPTURE_IMPLICIT: *text = "operation would make the legacy stream depend on a capturing blocking stream"; return "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT";
+    case CAPTURE_WRONG_THREAD: *text = "attempt to terminate a thread-local capture sequence from another thread"; return "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD";
+    default: *text = NULL; return NULL;
+    }
+}
+
+/* The capture of stream `s` (NULL when it does not capture). */
+static Capture *capture_of(Stream *s) {
+    for (int i = 0; i < ncaptures; i++) if (captures[i].stream == s) return &captures[i];
+    return NULL;
+}
+
+static void invalidate(Capture *c) { if (c->status == CAPTURE_ACTIVE) c->status = CAPTURE_INVALID; }
+
+/* The legacy stream while a blocking stream captures: 906, those captures invalidated. */
+static int legacy_conflict(Stream *s, int invalidating) {
+    if (s != &legacy_stream) return 0;
+    int hit = 0;
+    for (int i = 0; i < ncaptures; i++)
+        if (captures[i].stream->blocking) { hit = 1; if (invalidating) invalidate(&captures[i]); }
+    return hit ? CAPTURE_IMPLICIT : 0;
+}
+
+/* Before work is enqueued on `s` (queue_lock held). */
+static int capture_use_status(Stream *s) {
+    Capture *c = capture_of(s);
+    if (c && c->status == CAPTURE_INVALID) return CAPTURE_INVALIDATED;
+    return legacy_conflict(s, 1);
+}
+
+/* enqueue(): 1 when `op` went into the capture of `s` (or was dropped as no node). */
+static int capture_divert(Stream *s, Op *op) {
+    Capture *c = capture_of(s);
+    if (!c) return 0;
+    if (c->status != CAPTURE_ACTIVE || op->kind == OP_EVENT || op->kind == OP_WAIT) { free_op(op); return 1; }
+    Graph *g = c->graph;
+    if (g->n == g->cap) { g->cap = g->cap ? 2 * g->cap : 16; g->nodes = realloc(g->nodes, sizeof(Op *) * (size_t)g->cap); }
+    free(op->deps);
+    op->deps = NULL;
+    op->ndeps = 0;
+    op->next = NULL;
+    g->nodes[g->n++] = op;
+    return 1;
+}
+
+/* Before cuStreamSynchronize / cuStreamQuery of `s`. */
+static int capture_sync_status(Stream *s) {
+    Capture *c = capture_of(s);
+    if (c) { invalidate(c); return CAPTURE_UNSUPPORTED; }
+    return legacy_conflict(s, 1);
+}
+
+/* Before cuCtxSynchronize. */
+static int capture_ctx_sync_status(void) {
+    for (int i = 0; i < ncaptures; i++) invalidate(&captures[i]);
+    return ncaptures ? CAPTURE_UNSUPPORTED : 0;
+}
+
+/* Before a potentially unsafe call on the calling thread (see the section comment). */
+static int capture_unsafe_status(void) {
+    int hit = 0;
+    pthread_t self = pthread_self();
+    for (int i = 0; i < ncaptures; i++) {
+        Capture *c = &captures[i];
+        int own = pthread_equal(c->thread, self);
+        int prohibits = thread_capture_mode == CAPTURE_MODE_RELAXED ? 0
+                        : own ? c->mode != CAPTURE_MODE_RELAXED
+                        : thread_capture_mode == CAPTURE_MODE_GLOBAL && c->mode == CAPTURE_MODE_GLOBAL;
+        if (prohibits) { hit = 1; invalidate(c); }
+    }
+    return hit ? CAPTURE_UNSUPPORTED : 0;
+}
+
+static int capture_unsafe_call(void) {
+    pthread_mutex_lock(&queue_lock);
+    int st = capture_unsafe_status();
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+/* Before a synchronous copy (on the legacy stream, or this thread's stream under ptds). */
+static int capture_sync_copy_status(void) {
+    Stream *s = ptds_api ? per_thread_stream() : &legacy_stream;
+    int st = legacy_conflict(s, 1);
+    Capture *c = capture_of(s);
+    if (!st && c) { invalidate(c); st = CAPTURE_UNSUPPORTED; }
+    int unsafe = capture_unsafe_status();
+    return st ? st : unsafe;
+}
+
+static int captured_event_index(Event *e) {
+    for (int i = 0; i < ncaptured_events; i++) if (captured_events[i].event == e) return i;
+    return -1;
+}
+
+/* After event `e` was recorded on `s`: captured when `s` captures. */
+static void capture_note_event(Event *e, Stream *s) {
+    Capture *c = capture_of(s);
+    int i = captured_event_index(e);
+    if (c && i < 0 && ncaptured_events < MAX_HANDLES) {
+        captured_events[ncaptured_events].event = e;
+        captured_events[ncaptured_events++].capture = c->id;
+    } else if (c && i >= 0) {
+        captured_events[i].capture = c->id;
+    } else if (!c && i >= 0) {
+        captured_events[i] = captured_events[--ncaptured_events];
+    }
+}
+
+static void capture_forget_event(Event *e) {
+    int i = captured_event_index(e);
+    if (i >= 0) captured_events[i] = captured_events[--ncaptured_events];
+}
+
+/* Before cuEventSynchronize / cuEventQuery of `e`. */
+static int capture_event_status(Event *e) {
+    int i = captured_event_index(e);
+    if (i < 0) return 0;
+    for (int k = 0; k < ncaptures; k++) if (captures[k].id == captured_events[i].capture) invalidate(&captures[k]);
+    return CAPTURE_UNSUPPORTED;
+}
+
+/* Before stream `s` waits on event `e`: a non-capturing stream cannot join a capture here. */
+static int capture_wait_status(Stream *s, Event *e) {
+    int i = captured_event_index(e);
+    if (i < 0 || capture_of(s)) return 0;
+    for (int k = 0; k < ncaptures; k++) if (captures[k].id == captured_events[i].capture) return NOT_SUPPORTED;
+    return 0;
+}
+
+static void free_graph_nodes(Graph *g) {
+    for (int i = 0; i < g->n; i++) free_op(g->nodes[i]);
+    free(g->nodes);
+    g->nodes = NULL;
+    g->n = g->cap = 0;
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    ENTER("cuThreadExchangeStreamCaptureMode");
+    NEED_INIT();
+    if (!mode || *mode < CAPTURE_MODE_GLOBAL || *mode > CAPTURE_MODE_RELAXED) return INVALID_VALUE;
+    int previous = thread_capture_mode;
+    thread_capture_mode = *mode;
+    *mode = previous;
+    return SUCCESS;
+}
+
+CUresult cuStreamBeginCapture(CUstream s, int mode) {
+    ENTER("cuStreamBeginCapture");
+    NEED_CTX();
+    if (mode < CAPTURE_MODE_GLOBAL || mode > CAPTURE_MODE_RELAXED) return INVALID_VALUE;
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = !q ? INVALID_HANDLE : q == &legacy_stream ? CAPTURE_UNSUPPORTED : capture_of(q) ? ILLEGAL_STATE
+             : ncaptures == MAX_HANDLES ? OUT_OF_MEMORY : SUCCESS;
+    if (!st) {
+        Capture *c = &captures[ncaptures++];
+        c->stream = q;
+        c->status = CAPTURE_ACTIVE;
+        c->mode = mode;
+        c->id = ++next_capture_id;
+        c->thread = pthread_self();
+        c->graph = calloc(1, sizeof(Graph));
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+CUresult cuStreamEndCapture(CUstream s, void **graph) {
+    ENTER("cuStreamEndCapture");
+    NEED_CTX();
+    if (!graph) return INVALID_VALUE;
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    Capture *c = q ? capture_of(q) : NULL;
+    int st = !q ? INVALID_HANDLE : !c ? ILLEGAL_STATE
+             : c->mode != CAPTURE_MODE_RELAXED && !pthread_equal(c->thread, pthread_self()) ? CAPTURE_WRONG_THREAD
+             : SUCCESS;
+    if (!st) {
+        for (int i = ncaptured_events - 1; i >= 0; i--)
+            if (captured_events[i].capture == c->id) captured_events[i] = captured_events[--ncaptured_events];
+        if (c->status == CAPTURE_INVALID || ngraphs == MAX_HANDLES) {
+            st = c->status == CAPTURE_INVALID ? CAPTURE_INVALIDATED : OUT_OF_MEMORY;
+            free_graph_nodes(c->graph);
+            free(c->graph);
+            *graph = NULL;
+        } else {
+            graphs[ngraphs++] = c->graph;
+            *graph = c->graph;
+        }
+        *c = captures[--ncaptures];
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    ENTER("cuStreamIsCapturing");
+    NEED_CTX();
+    if (!status) return INVALID_VALUE;
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = !q ? INVALID_HANDLE : legacy_conflict(q, 0);
+    if (!st) { Capture *c = capture_of(q); *status = c ? c->status : CAPTURE_NONE; }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+/* CUDA 13's cuStreamGetCaptureInfo (the _v3 signature): no dependency nodes are reported
+ * (a stub capture is one chain, and nodes have no handles). */
+CUresult cuStreamGetCaptureInfo(CUstream s, int *status, uint64_t *id, void **graph, const void **deps,
+                                const void **edges, size_t *ndeps) {
+    ENTER("cuStreamGetCaptureInfo");
+    NEED_CTX();
+    if (!status) return INVALID_VALUE;
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = !q ? INVALID_HANDLE : legacy_conflict(q, 0);
+    if (!st) {
+        Capture *c = capture_of(q);
+        *status = c ? c->status : CAPTURE_NONE;
+        if (c && c->status == CAPTURE_ACTIVE) {
+            if (id) *id = c->id;
+            if (graph) *graph = c->graph;
+            if (deps) *deps = NULL;
+            if (edges) *edges = NULL;
+            if (ndeps) *ndeps = 0;
+        }
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+static Op *clone_op(const Op *op) {
+    Op *copy = new_op(op->kind);
+    *copy = *op;
+    copy->next = NULL;
+    copy->deps = NULL;
+    copy->ndeps = 0;
+    copy->param_bytes = NULL;
+    if (op->kind == OP_LAUNCH) {
+        size_t total = 0;
+        for (int i = 0; i < op->fn->nparams; i++) total += ((size_t)op->fn->sizes[i] + 15) / 16 * 16;
+        copy->param_bytes = aligned_alloc(16, total ? total : 16);
+        memcpy(copy->param_bytes, op->param_bytes, total);
+        for (int i = 0; i < op->fn->nparams; i++)
+            copy->params[i] = copy->param_bytes + ((unsigned char *)op->params[i] - op->param_bytes);
+    }
+    return copy;
+}
+
+/* cuda-bindings 13's cuGraphInstantiate(graph, flags) calls this entry point (cuda.h 12+
+ * defines cuGraphInstantiate as cuGraphInstantiateWithFlags). */
+CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
+    ENTER("cuGraphInstantiate");
+    NEED_CTX();
+    if (!exec || flags > 15) return INVALID_VALUE;
+    pthread_mutex_lock(&queue_lock);
+    int st = find_handle(graphs, ngraphs, graph) < 0 ? INVALID_HANDLE : ngraph_execs == MAX_HANDLES ? OUT_OF_MEMORY : SUCCESS;
+    if (!st) {
+        Graph *g = graph;
+        GraphExec *x = calloc(1, sizeof(GraphExec));
+        x->nodes.nodes = malloc(sizeof(Op *) * (size_t)(g->n ? g->n : 1));
+        for (int i = 0; i < g->n; i++) x->nodes.nodes[i] = clone_op(g->nodes[i]);
+        x->nodes.n = x->nodes.cap = g->n;
+        graph_execs[ngraph_execs++] = x;
+        *exec = x;
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+
+static CUresult graph_launch(void *exec, CUstream s) {
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    Stream *q = queue_of(s);
+    int st = find_handle(graph_execs, ngraph_execs, exec) < 0 || !q ? INVALID_HANDLE : capture_use_status(q);
+    if (!st) {
+        GraphExec *x = exec;
+        for (int i = 0; i < x->nodes.n; i++) enqueue(q, clone_op(x->nodes.nodes[i]));
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return st;
+}
+CUresult cuGraphLaunch(void *exec, CUstream s) { ENTER("cuGraphLaunch"); return graph_launch(exec, s); }
+
+CUresult cuGraphExecDestroy(void *exec) {
+    ENTER("cuGraphExecDestroy");
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    int i = find_handle(graph_execs, ngraph_execs, exec);
+    if (i >= 0) {
+        free_graph_nodes(&((GraphExec *)exec)->nodes); /* launched copies are queued separately */
+        free(exec);
+        graph_execs[i] = graph_execs[--ngraph_execs];
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return i < 0 ? INVALID_HANDLE : SUCCESS;
+}
+
+CUresult cuGraphDestroy(void *graph) {
+    ENTER("cuGraphDestroy");
+    NEED_CTX();
+    pthread_mutex_lock(&queue_lock);
+    int i = find_handle(graphs, ngraphs, graph);
+    if (i >= 0) {
+        free_graph_nodes(graph);
+        free(graph);
+        graphs[i] = graphs[--ngraphs];
+    }
+    pthread_mutex_unlock(&queue_lock);
+    return i < 0 ? INVALID_HANDLE : SUCCESS;
+}
+/* ---- end of CAPTURE (CUDA graphs) additions ---- */
