@@ -527,7 +527,8 @@ def test_demo_and_plan_choose_the_cuda_backend_over_the_stub(stub_env):
         print("FREE", free_bytes)
     ''')
     assert "pagedkv demo on CudaBackend on pagedkv stub device 0" in out
-    assert "demo: 9 passed, 0 failed" in out
+    assert "demo: 10 passed, 0 failed" in out
+    assert "[ok]   host tier: a prompt's 4 blocks evicted to the host tier" in out
     free_bytes = int(out.split("FREE ")[1].split()[0])
     assert f"memory {free_bytes / 2**30:.2f} GiB" in out
     bf16_row = next(line for line in out.splitlines() if line.startswith("bf16 "))
