@@ -426,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
 #define CS_FLAGS_AT (2 * F32_SUM_DIGITS + F32_SSQ_DIGITS)
 #define CS_RESULT_WORDS (CS_FLAGS_AT + 1)
 #define CS_NORMALIZE_EVERY (1 << 29)  // each add puts < 2^33 into a digit: 2^29 adds cannot overflow
-#define CS_WORDS_PER_ROUND 8          // words of the shared tree per round (the last round partial)
+#define CS_WORDS_PER_ROUND 19         // words of the shared tree per round: CS_RESULT_WORDS (37) in two
 
 #define CS_FLAG_NAN 1u
 #define CS_FLAG_POS_INF 2u

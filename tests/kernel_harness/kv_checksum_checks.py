@@ -7,7 +7,9 @@ are identical on both backends (CudaBackend reducing every format on the device,
 HostBackend decoding on the host) and equal to math.fsum over `codecs.decode` of each
 block's bytes (exact_sum's rules where a value is NaN or inf).
 
-Pool bytes, per side (block: content): 0, 1: token rows encoded by the host codec
+Pool bytes, per side (block: content): 6: zeros, except a turbo8 side's random bytes with
+BF16 scales below 2^-126 (float32 denormal values: their sums are tiny, so a dropped
+denormal shows); 0, 1: token rows encoded by the host codec
 (Gaussian with an outlier channel, all-zero groups, float32 denormals, values at and past
 +-448, a huge one); 2: random bytes with bit 6 of every byte clear (every decode finite,
 float32 denormal products among them); 3: random bytes with bit 0 clear (no E4M3 NaN;
@@ -30,6 +32,8 @@ CASES = {
         [(1, 256), (1, 512), (1, 256), (1, 512), (1, 256), (1, 512), (1, 512), (1, 256)],
         32,
     ),
+    # the mutation test's case: every decoder family at one dim, one CTA order
+    "mutation_small": (["nvfp4", "turbo8", "fp8k_turbo3v", "turbo2", "bf16k_turbo4v"], [(1, 64)], 16),
 }
 
 _BODY = '''
@@ -38,7 +42,7 @@ import os
 from structlog.testing import capture_logs
 from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype, diagnostics, kv_rows
 from pagedkv.codecs import decode
-from pagedkv.dtype import side_bytes
+from pagedkv.dtype import side_bytes, side_data_bytes
 from pagedkv.exact_sum import float_stats
 from pagedkv.driver import CudaBackend
 from pagedkv.driver.kv_kernels import KvSideArgs
@@ -56,8 +60,9 @@ DIMS = [DIMS[i % len(DIMS)] for i in range(len(FORMATS))]
 config = KvCacheConfig(block_size=BLOCK_SIZE, num_kv_heads=DIMS[0][0], head_dim=DIMS[0][1],
                        num_layers=len(FORMATS), dtype=FORMATS[0], layer_dtypes=tuple(FORMATS),
                        layer_dims=tuple(DIMS))
-NB = 6
-SETS = (([1, 2, 0, 3, 1], 2), ([4, 5, 0], 1))   # (blocks, boundary) of checksum_per_layer
+NB = 7
+SETS = (([1, 2, 0, 3, 1], 2), ([4, 5, 0], 1), ([6, 6], 1))   # (blocks, boundary) of checksum_per_layer
+PER_BLOCK = [0, 2, 5, 6]                                      # blocks of per_block, every layer
 
 def rows_for(heads, head_dim, seed):
     r = np.random.default_rng(seed)
@@ -80,7 +85,15 @@ def host_pools_bytes(host):
             raw = r.integers(0, 256, NB * stride, dtype=np.uint8)
             raw[2 * stride : 3 * stride] &= 0xBF
             raw[3 * stride : 4 * stride] &= 0xFE
+            raw[6 * stride : 7 * stride] = 0
             host.copy_h2d(raw, ptr)
+        for side, (ptr, stride) in zip(config.dtype_for_layer(layer).kv_pair(), sides(pools, layer)):
+            if side.value == "turbo8":   # block 6: BF16 scales below 2^-126, so most values are float32 denormals
+                n = BLOCK_SIZE * DIMS[layer][0] * DIMS[layer][1]
+                data = side_data_bytes(side, n)
+                tiny = r.integers(0, 256, side_bytes(side, n), dtype=np.uint8) & 0xBF
+                tiny[data + 1 :: 2] &= 0x80
+                host.copy_h2d(tiny, ptr.offset(6 * stride))
         slots = np.r_[np.arange(2 * BLOCK_SIZE), np.arange(5 * BLOCK_SIZE, 6 * BLOCK_SIZE)].astype(np.int64)
         k = np.concatenate([rows_for(*DIMS[layer], 2 * layer), rows_for(*DIMS[layer], 2 * layer)[:BLOCK_SIZE]])
         v = np.concatenate([rows_for(*DIMS[layer], 2 * layer + 1), rows_for(*DIMS[layer], 2 * layer + 1)[:BLOCK_SIZE]])
@@ -121,7 +134,7 @@ def run_diagnostics(backend, pools, stream):
         for blocks, boundary in SETS:
             diagnostics.checksum_per_layer(pools, blocks, boundary, backend, stream, "c")
         for layer in range(len(FORMATS)):
-            diagnostics.per_block(pools, layer, list(range(NB)), backend, stream, "b")
+            diagnostics.per_block(pools, layer, PER_BLOCK, backend, stream, "b")
     return logs
 
 np.seterr(all="ignore")   # garbage bytes decode to inf and NaN on the host too
@@ -162,7 +175,7 @@ for order in ORDERS:
             assert all(same(a, b) for a, b in zip(got_direct, reference(host, hpools, layer, "V", [1, 2, 0, 3, 1])))
         first_launch = STUB.stub_launch_count()
         got = run_diagnostics(gpu, pools, stream)
-        reductions = len(FORMATS) * (len(SETS) * 2 * 2 + NB * 2)
+        reductions = len(FORMATS) * (len(SETS) * 2 * 2 + len(PER_BLOCK) * 2)
         assert STUB.stub_launch_count() - first_launch == 2 * reductions, "two launches a side reduction"
         want = run_diagnostics(host, hpools, 0)
         events_equal(got, want, order)
@@ -183,7 +196,7 @@ for order in ORDERS:
                             assert math.isfinite(e["sum"]) and e["ssq"] > 0, e
                             finite_prefix += 1
         per_block = [e for e in got if e["event"] == "kv_block_checksum"]
-        assert len(per_block) == len(FORMATS) * NB
+        assert len(per_block) == len(FORMATS) * len(PER_BLOCK)
         for e in per_block:
             for side in "KV":
                 ref = reference(host, hpools, e["layer"], side, [e["phys"]])[1]
