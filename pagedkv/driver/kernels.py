@@ -27,7 +27,7 @@ from ..dtype import KvCacheDtype
 from ..exact_sum import F32_RESULT_WORDS, RESULT_WORDS, stats_from_f32_words, stats_from_words
 from . import nvrtc
 from .errors import check
-from .kv_kernels import FORMAT_CODES, check_kv_side_row
+from .kv_kernels import CHECKSUM_KERNELS, FORMAT_CODES, check_kv_side_row
 from .kv_kernels import KERNEL_TABLE as KV_KERNEL_TABLE
 from .launch import CopyArgs, FillArgs, KernelLauncher, ReduceFinalArgs, ReducePartialArgs
 from .staging import StagingRing, StagingSlot
@@ -50,7 +50,7 @@ KERNELS = {
         ("pagedkv_reduce_bf16_partial", ReducePartialArgs, REDUCE_THREADS),
         ("pagedkv_reduce_bf16_final", ReduceFinalArgs, REDUCE_THREADS),
     ],
-    "kv_rows.cu": KV_KERNEL_TABLE,
+    "kv_rows.cu": KV_KERNEL_TABLE + [(name, args, REDUCE_THREADS) for name, args in CHECKSUM_KERNELS],
 }
 
 

@@ -20,7 +20,6 @@ from ..backend import BlockRegions, DevicePtr
 from ..codecs.rotation import ROTATED_HEAD_DIMS
 from ..dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
 from ..validate import index_in_range, positive_int
-from .nvrtc import REDUCE_THREADS
 
 KV_THREADS = 128
 """Threads per CTA of the KV row kernels (KV_THREADS in kv_rows.cu)."""
@@ -104,13 +103,12 @@ class KvChecksumFinalArgs(ctypes.Structure):
     ]
 
 
-KERNEL_TABLE = [
-    ("pagedkv_kv_write", KvWriteArgs, KV_THREADS),
-    ("pagedkv_kv_read", KvReadArgs, KV_THREADS),
-    ("pagedkv_kv_checksum_partial", KvChecksumPartialArgs, REDUCE_THREADS),
-    ("pagedkv_kv_checksum_final", KvChecksumFinalArgs, REDUCE_THREADS),
-]
-"""(kernel name, argument structure, threads per CTA) of kv_rows.cu."""
+KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS)]
+"""(kernel name, argument structure, threads per CTA) of kv_rows.cu's row kernels."""
+
+CHECKSUM_KERNELS = [("pagedkv_kv_checksum_partial", KvChecksumPartialArgs), ("pagedkv_kv_checksum_final", KvChecksumFinalArgs)]
+"""(kernel name, argument structure) of kv_rows.cu's checksum kernels, launched with
+nvrtc.REDUCE_THREADS threads (its -DCHECKSUM_THREADS)."""
 
 _INT32_MAX = 2**31 - 1
 
