@@ -16,7 +16,7 @@ from kernel_harness.stub import run_on_stub
 
 
 @pytest.mark.parametrize("sms", [2, 132])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"mutation_small"}))  # that one runs in the mutation test
 def test_device_checksums_equal_host_checksums_and_fsum(stub_env, case, sms):
     out = run_on_stub(stub_env, checksum_case_body(case, sms), timeout=300)
     assert "CHECK checksum ok" in out
