@@ -65,6 +65,20 @@ def test_checksums_never_copy_pool_bytes_to_the_host(stub_env):
             finally:
                 D.cuMemcpyDtoHAsync = real
             after = calls("cuMemcpyDtoHAsync"), calls("cuMemcpyDtoH")
+            if hasattr(gpu, "reduce_kv_blocks"):   # bad arguments are refused before any launch
+                launches, pools_of = STUB.stub_launch_count(), cache.pools()
+                from pagedkv import KvCacheDtype
+                for bad, error in (((0, [2], KvCacheDtype.FP8, 16, 128), "block 2 out of range"),
+                                   ((0, [0], KvCacheDtype.NVFP4, 16, 128), "region 0 holds 2048-byte blocks; nvfp4"),
+                                   ((0, [0], KvCacheDtype.FP8, 16, 120), "row_elements must be a multiple of 16"),
+                                   ((0, [-1], KvCacheDtype.FP8, 16, 128), "negative block index -1")):
+                    try:
+                        gpu.reduce_kv_blocks(pools_of.regions(), *bad, stream)
+                    except (IndexError, ValueError) as err:
+                        assert error in str(err), (bad, err)
+                    else:
+                        raise AssertionError(("accepted", bad))
+                assert STUB.stub_launch_count() == launches
             cache.release(gpu)
             return logs, copies, pools, before, after
 
