@@ -1,8 +1,14 @@
 """Checksum diagnostics for KV corruption hunts, as structlog events: the exact sum, sum of
 squares and sum of |x| of every side's stored values, decoded without unrotation (fp8 as
-its E4M3 values, without the per-tensor scale). BF16 sides are reduced on the backend
-(`reduce_bf16_blocks`); the other formats are read back and decoded by the host codecs,
-so every backend prints the same numbers: what `math.fsum` gives over the decoded values."""
+its E4M3 values, without the per-tensor scale), each exact and rounded once to float64:
+what `math.fsum` gives over the decoded values, on every backend.
+
+Where the sums are made: a backend with the optional method
+`reduce_kv_blocks(regions, region, blocks, fmt, block_size, row_elements, stream) ->
+Bf16Stats` (CudaBackend: kernels decoding and reducing every format on the device, so the
+pool bytes never come back to the host) reduces every side itself. On any other backend
+BF16 sides are reduced by the required `reduce_bf16_blocks` and the other formats are
+read back block by block and decoded by the host codecs (pagedkv.exact_sum.float_stats)."""
 
 from __future__ import annotations
 
@@ -28,12 +34,15 @@ def _sides(pools: KvPools) -> list[str]:
 
 def side_stats(pools: KvPools, layer: int, side: str, idx: np.ndarray, gpu: GpuBackend, stream: int) -> Bf16Stats:
     """Exact checksums of `side` ("K"/"V") of `layer` over blocks `idx` (see the module
-    docstring); the caller has synchronised `stream` for a decoded format."""
+    docstring); the caller has synchronised `stream` for a format the host decodes."""
     fmt = pools.config().dtype_for_layer(layer).kv_pair()[0 if side == "K" else 1]
-    if fmt is KvCacheDtype.BF16:
-        return gpu.reduce_bf16_blocks(pools.regions(), pools.region_index(layer, side), idx, stream)
     heads, head_dim = pools.config().dims_for_layer(layer)
     block_size = pools.config().block_size
+    reduce_kv = getattr(gpu, "reduce_kv_blocks", None)
+    if reduce_kv is not None:
+        return reduce_kv(pools.regions(), pools.region_index(layer, side), idx, fmt, block_size, heads * head_dim, stream)
+    if fmt is KvCacheDtype.BF16:
+        return gpu.reduce_bf16_blocks(pools.regions(), pools.region_index(layer, side), idx, stream)
     nbytes = side_bytes(fmt, block_size * heads * head_dim)
     block_ptr = pools.k_block_ptr if side == "K" else pools.v_block_ptr
     values = np.empty((idx.size, block_size, heads, head_dim), np.float32)

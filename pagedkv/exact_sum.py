@@ -1,4 +1,5 @@
-"""Exact BF16 checksums: sum, sum of squares and sum of |x| in wide fixed point.
+"""Exact checksums (sum, sum of squares and sum of |x|) of BF16 and float32 values in wide
+fixed point.
 
 Every finite BF16 value is `m * 2**(s - 133)` with an integer mantissa `m < 2**8` and a
 shift `0 <= s <= 253`, so it is an integer multiple of 2**-133 and its square one of
@@ -7,6 +8,11 @@ final conversion to float64, which gives the correctly rounded exact result: wha
 `math.fsum` returns over the float64 values (or their float64 squares, which are exact).
 Both backends produce the same integers (the GPU kernel as 32-bit digits held in int64
 words with deferred carries) and turn them into `Bf16Stats` here.
+
+Decoded KV values (every side format, pagedkv.diagnostics) are float32: every finite one
+is `m * 2**(s - 149)` with `m < 2**24` and `0 <= s <= 253`, so the float32 layout widens
+the units to 2**-149 for values and 2**-298 for squares (F32_* constants): 9 sum digits
+as before, 18 square digits (a square's `m * m < 2**48` shifted spans three digits).
 
 Non-finite inputs (exponent field 255) are not added; they are flagged instead:
 - any NaN makes all three results NaN;
@@ -45,6 +51,22 @@ FLAG_NAN, FLAG_POS_INF, FLAG_NEG_INF = 1, 2, 4
 RESULT_WORDS = 2 * SUM_DIGITS + SSQ_DIGITS + 1
 """int64 words of a reduction result: sum digits, sum-of-|x| digits, sum-of-squares digits, flags."""
 
+F32_SUM_SCALE_BITS = 149
+"""A float32 value's fixed-point integer is value * 2**F32_SUM_SCALE_BITS."""
+
+F32_SSQ_SCALE_BITS = 2 * F32_SUM_SCALE_BITS
+"""A float32 square's fixed-point integer is square * 2**F32_SSQ_SCALE_BITS."""
+
+F32_SUM_DIGITS = 9
+"""Digits of the float32 sum and sum-of-|x| accumulators (the largest shift 253 + 24 bits)."""
+
+F32_SSQ_DIGITS = 18
+"""Digits of the float32 sum-of-squares accumulator (the largest shift 506 + 48 bits)."""
+
+F32_RESULT_WORDS = 2 * F32_SUM_DIGITS + F32_SSQ_DIGITS + 1
+"""int64 words of a float32 reduction result (pagedkv_kv_checksum_*): sum digits,
+sum-of-|x| digits, sum-of-squares digits, flags."""
+
 _CHUNK = 1 << 22  # values per numpy pass: every float64 bin total stays an exact integer
 
 
@@ -53,8 +75,11 @@ def digits_value(digits: Sequence[int]) -> int:
     return sum(int(d) << (DIGIT_BITS * i) for i, d in enumerate(digits))
 
 
-def stats_from_integers(total: int, squares: int, absolute: int, flags: int) -> Bf16Stats:
-    """Bf16Stats of exact fixed-point integers (units 2**-133, 2**-266, 2**-133) and the
+def stats_from_integers(
+    total: int, squares: int, absolute: int, flags: int, scale_bits: int = SUM_SCALE_BITS
+) -> Bf16Stats:
+    """Bf16Stats of exact fixed-point integers (units 2**-scale_bits for the sum and the
+    sum of |x|, 2**-(2 * scale_bits) for the squares: BF16's 133 unless told) and the
     non-finite flags, each rounded once to the nearest float64 (ties to even)."""
     if flags & FLAG_NAN:
         return Bf16Stats(math.nan, math.nan, math.nan)
@@ -64,9 +89,9 @@ def stats_from_integers(total: int, squares: int, absolute: int, flags: int) -> 
         return Bf16Stats(s, math.inf, math.inf)
     # int / int true division is correctly rounded in CPython, whatever the sizes
     return Bf16Stats(
-        total / (1 << SUM_SCALE_BITS) + 0.0,
-        squares / (1 << SSQ_SCALE_BITS),
-        absolute / (1 << SUM_SCALE_BITS),
+        total / (1 << scale_bits) + 0.0,
+        squares / (1 << (2 * scale_bits)),
+        absolute / (1 << scale_bits),
     )
 
 
@@ -78,6 +103,17 @@ def stats_from_words(words: Sequence[int]) -> Bf16Stats:
     absolute = digits_value(words[SUM_DIGITS : 2 * SUM_DIGITS])
     squares = digits_value(words[2 * SUM_DIGITS : 2 * SUM_DIGITS + SSQ_DIGITS])
     return stats_from_integers(total, squares, absolute, int(words[-1]))
+
+
+def stats_from_f32_words(words: Sequence[int]) -> Bf16Stats:
+    """Bf16Stats of a float32 reduction result: F32_RESULT_WORDS int64 words (sum digits,
+    sum-of-|x| digits, sum-of-squares digits, flags) in units 2**-149 and 2**-298."""
+    if len(words) != F32_RESULT_WORDS:
+        raise ValueError(f"a float32 reduction result has {F32_RESULT_WORDS} words, got {len(words)}")
+    total = digits_value(words[:F32_SUM_DIGITS])
+    absolute = digits_value(words[F32_SUM_DIGITS : 2 * F32_SUM_DIGITS])
+    squares = digits_value(words[2 * F32_SUM_DIGITS : 2 * F32_SUM_DIGITS + F32_SSQ_DIGITS])
+    return stats_from_integers(total, squares, absolute, int(words[-1]), F32_SUM_SCALE_BITS)
 
 
 def bf16_stats(bits: np.ndarray) -> Bf16Stats:

@@ -165,7 +165,7 @@ def test_readme_device_step_runs_over_the_stub(stub_env):
 
 def test_kv_bench_smoke_over_the_stub(stub_env):
     """tools/bench.py's kv section at --quick size over the stub: a row per side format, each
-    with its two floors printed, nothing left allocated (the figures are the CPU harness's,
+    with its three floors printed (write, decode step, checksum), nothing left allocated (the figures are the CPU harness's,
     so only the form is checked)."""
     import pathlib
 
@@ -183,5 +183,6 @@ def test_kv_bench_smoke_over_the_stub(stub_env):
     assert lines[0] == "== kv ==" and "libcuda stub" in lines[1] and "DRAM bandwidth" in lines[2], lines[:3]
     for fmt in ("bf16", "fp8", "nvfp4", "turbo4", "turbo3", "turbo2", "turbo8"):
         assert any(line.split()[:1] == [fmt] for line in lines), fmt
-        assert sum(f"floor   {fmt} " in line for line in lines) == 2, fmt
+        assert sum(f"floor   {fmt} " in line for line in lines) == 3, fmt
+        assert any(f"floor   {fmt} checksum vs DRAM bandwidth: " in line for line in lines), fmt
     assert lines[-1] == "CHECK bench ok"

@@ -4,10 +4,12 @@ and the host-staged path they replace.
 
 A decode step writes 256 tokens of 8 KV heads x head_dim 128 into each of 32 layers (one
 write_tokens per layer); a prefill writes 32,768 tokens into one layer; a read decodes the
-prefill's slots to BF16. GB/s count DRAM bytes: the BF16 rows read, the data and scale rows
-written, the int64 slots read (a read the reverse). Floors (issue 10): bf16 and fp8 prefill
-writes >= 70% of the bandwidth, nvfp4 and turbo >= 40%; the device decode step >= 20x the
-host-staged one. `--quick` shrinks every size (a smoke run: over the libcuda stub the
+prefill's slots to BF16; a checksum reduces both sides of the prefill layer's blocks
+exactly on the device (`reduce_kv_blocks`, what debug_kv_checksum_per_layer runs per side).
+GB/s count DRAM bytes: the BF16 rows read, the data and scale rows written, the int64 slots
+read (a read the reverse; a checksum reads the stored bytes and the int32 block list).
+Floors (issue 10): bf16 and fp8 prefill writes >= 70% of the bandwidth, nvfp4 and turbo
+>= 40%, checksums >= 70%; the device decode step >= 20x the host-staged one. `--quick` shrinks every size (a smoke run: over the libcuda stub the
 figures are the CPU harness's, not a GPU's, and the floors say nothing).
 """
 
@@ -26,6 +28,8 @@ QUICK = {"decode_tokens": 16, "layers": 2, "prefill_tokens": 64, "bandwidth_byte
 WRITE_FLOORS = {"bf16": 0.70, "fp8": 0.70}
 """Prefill write traffic as a fraction of DRAM bandwidth; the other formats need 0.40."""
 STAGED_RATIO_FLOOR = 20.0
+CHECKSUM_FLOOR = 0.70
+"""Checksum read traffic as a fraction of DRAM bandwidth, every format."""
 
 
 def run(args) -> None:
@@ -45,7 +49,7 @@ def run(args) -> None:
             bandwidth = _bandwidth(gpu, stream, timer, sizes)
             print(f"DRAM bandwidth (cuMemcpyDtoD of {sizes['bandwidth_bytes'] >> 20} MiB): {bandwidth:8.1f} GB/s")
             print(f"{'format':<8} {'decode ms':>10} {'staged ms':>10} {'x staged':>9} {'prefill GB/s':>13} "
-                  f"{'of DRAM':>8} {'read GB/s':>10}")
+                  f"{'of DRAM':>8} {'read GB/s':>10} {'sum GB/s':>9} {'of DRAM':>8}")
             for fmt in SIDE_FORMATS:
                 _bench_format(gpu, stream, timer, fmt, sizes, bandwidth)
         finally:
@@ -111,14 +115,25 @@ def _bench_format(gpu, stream, timer, fmt, sizes, bandwidth) -> None:
         out_k, out_v = (DeviceArray(o, (prefill, HEADS, HEAD_DIM), "bfloat16") for o in outs)
         read_ms = timer.time(lambda: cache.read_tokens(0, slots, gpu, out_k=out_k, out_v=out_v, stream=stream), reps)
         n = HEADS * HEAD_DIM
-        stored = 2 * side_bytes(KvCacheDtype.parse(fmt), prefill * n)
+        side_fmt = KvCacheDtype.parse(fmt)
+        stored = 2 * side_bytes(side_fmt, prefill * n)
         traffic = 2 * prefill * n * 2 + stored + 8 * prefill
         write_gbps, read_gbps = _gbps(traffic, prefill_ms), _gbps(traffic, read_ms)
+        pools, all_blocks = cache.pools(), np.arange(blocks, dtype=np.int64)
+
+        def checksum() -> None:
+            for side in "KV":
+                gpu.reduce_kv_blocks(pools.regions(), pools.region_index(0, side), all_blocks, side_fmt, BLOCK, n, stream)
+
+        checksum_ms = timer.time(checksum, reps)
+        checksum_gbps = _gbps(2 * side_bytes(side_fmt, blocks * BLOCK * n) + 2 * 4 * blocks, checksum_ms)
         ratio = staged_ms / decode_ms
         print(f"{fmt:<8} {decode_ms:10.3f} {staged_ms:10.3f} {ratio:8.1f}x {write_gbps:13.1f} "
-              f"{write_gbps / bandwidth * 100:7.1f}% {read_gbps:10.1f}")
+              f"{write_gbps / bandwidth * 100:7.1f}% {read_gbps:10.1f} {checksum_gbps:9.1f} "
+              f"{checksum_gbps / bandwidth * 100:7.1f}%")
         floor(f"{fmt} prefill write vs DRAM bandwidth", write_gbps / bandwidth, WRITE_FLOORS.get(fmt, 0.40))
         floor(f"{fmt} device decode step vs host-staged", ratio, STAGED_RATIO_FLOOR)
+        floor(f"{fmt} checksum vs DRAM bandwidth", checksum_gbps / bandwidth, CHECKSUM_FLOOR)
     finally:
         gpu.synchronize(stream)
         for p in owned:

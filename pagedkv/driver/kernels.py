@@ -1,5 +1,6 @@
 """Block kernels of CudaBackend: loading the NVRTC-compiled modules, region tables, and
-the fill, copy and exact BF16 reduction launches with their staging slots.
+the fill, copy, exact BF16 reduction and exact every-format checksum launches with their
+staging slots.
 
 Grids are sized from the occupancy the driver reports for each kernel at its block
 size (cuOccupancyMaxActiveBlocksPerMultiprocessor) times the SM count, capped by the
@@ -22,9 +23,11 @@ from ..backend import (
     check_copy_pairs,
     check_fill_byte,
 )
-from ..exact_sum import RESULT_WORDS, stats_from_words
+from ..dtype import KvCacheDtype
+from ..exact_sum import F32_RESULT_WORDS, RESULT_WORDS, stats_from_f32_words, stats_from_words
 from . import nvrtc
 from .errors import check
+from .kv_kernels import CHECKSUM_KERNELS, FORMAT_CODES, check_kv_side_row
 from .kv_kernels import KERNEL_TABLE as KV_KERNEL_TABLE
 from .launch import CopyArgs, CopyBatchArgs, FillArgs, KernelLauncher, ReduceFinalArgs, ReducePartialArgs
 from .staging import StagingRing, StagingSlot
@@ -37,6 +40,7 @@ REDUCE_THREADS = nvrtc.REDUCE_THREADS
 
 _INT32_MAX = 2**31 - 1
 _RESULT_BYTES = 8 * RESULT_WORDS
+_F32_RESULT_BYTES = 8 * F32_RESULT_WORDS
 
 # kernel source file -> (kernel name, argument structure, threads per CTA) of each kernel
 KERNELS = {
@@ -47,7 +51,7 @@ KERNELS = {
         ("pagedkv_reduce_bf16_partial", ReducePartialArgs, REDUCE_THREADS),
         ("pagedkv_reduce_bf16_final", ReduceFinalArgs, REDUCE_THREADS),
     ],
-    "kv_rows.cu": KV_KERNEL_TABLE,
+    "kv_rows.cu": KV_KERNEL_TABLE + [(name, args, REDUCE_THREADS) for name, args in CHECKSUM_KERNELS],
 }
 
 
@@ -232,14 +236,58 @@ class BlockKernels:
             slot.held = True
         return self._reduction_result(slot, out_at)
 
-    def _reduction_result(self, slot: StagingSlot, out_at: int) -> Bf16Stats:
-        """Wait (without the lock) for a held slot's reduction, read it and let the slot go."""
+    def reduce_kv_blocks(
+        self, regions: BlockRegions, region: int, blocks: Sequence[int], fmt: KvCacheDtype,
+        block_size: int, row_elements: int, stream: int,
+    ) -> Bf16Stats:
+        """Exact sum, sum of squares and sum of |x| of every stored value of the listed blocks
+        of row `region`, a pool of side format `fmt` with `block_size` tokens of
+        `row_elements` values a block (docs/FORMATS.md), decoded without unrotation (fp8 as
+        its E4M3 values, without the per-tensor scale): each sum exact, then rounded once to
+        float64 (pagedkv.exact_sum), so equal to math.fsum over the host decode on every grid
+        and GPU; NaN/inf decoded values follow exact_sum's rules. BF16 runs the BF16
+        reduction (`reduce_bf16_blocks`). Two launches on `stream` and one copy of the
+        result words: the pool bytes never leave the device. Waits for the result without
+        holding the backend's lock. No blocks give (0.0, 0.0, 0.0)."""
+        handle = self._stream(stream)
+        region, base, stride, fmt = check_kv_side_row(regions, region, fmt, block_size, row_elements)
+        if fmt is KvCacheDtype.BF16:
+            return self.reduce_bf16_blocks(regions, region, blocks, stream)
+        idx = _int32_indices(as_block_array(blocks), "blocks")
+        if idx.size == 0:
+            return Bf16Stats(0.0, 0.0, 0.0)
+        self._table(regions, int(idx.max()), region)
+        partial, final = "pagedkv_kv_checksum_partial", "pagedkv_kv_checksum_final"
+        grid = self._grid(partial, idx.size)
+        partials_at = -(-idx.nbytes // 16) * 16
+        out_at = partials_at + _F32_RESULT_BYTES * grid
+        with self._lock:
+            self._enter()
+            with self._staging.in_use(out_at + _F32_RESULT_BYTES, handle) as slot:
+                slot.upload([idx], handle)
+                self._launchers[partial].launch(
+                    grid, handle,
+                    pool=base, block_stride=stride, blocks=slot.device, num_blocks=idx.size,
+                    fmt=FORMAT_CODES[fmt], row_elements=row_elements, block_size=block_size,
+                    partials=slot.device + partials_at,
+                )
+                self._launchers[final].launch(
+                    1, handle, partials=slot.device + partials_at, num_partials=grid, out=slot.device + out_at,
+                )
+                slot.download(out_at, _F32_RESULT_BYTES, handle)
+            slot.held = True
+        return self._reduction_result(slot, out_at, _F32_RESULT_BYTES, stats_from_f32_words)
+
+    def _reduction_result(self, slot: StagingSlot, out_at: int, nbytes: int = _RESULT_BYTES,
+                          parse=stats_from_words) -> Bf16Stats:
+        """Wait (without the lock) for a held slot's reduction of `nbytes` result bytes at
+        `out_at`, read them, let the slot go and turn the words into Bf16Stats with `parse`."""
         try:
             slot.wait()
             with self._lock:
-                words = slot.host[out_at : out_at + _RESULT_BYTES].view(np.int64).tolist()
+                words = slot.host[out_at : out_at + nbytes].view(np.int64).tolist()
         finally:
             with self._lock:
                 slot.held = False
                 self._idle.notify_all()
-        return stats_from_words(words)
+        return parse(words)

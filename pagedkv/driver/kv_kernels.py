@@ -1,5 +1,7 @@
 """KV rows on the device: the launches of `pagedkv_kv_write` / `pagedkv_kv_read`
-(nvrtc_src/kv_rows.cu), byte-exact with the host codecs of pagedkv.codecs.
+(nvrtc_src/kv_rows.cu), byte-exact with the host codecs of pagedkv.codecs, and the
+argument structures and geometry check of the same file's exact checksum kernels
+(`pagedkv_kv_checksum_partial` / `_final`, launched by kernels.BlockKernels.reduce_kv_blocks).
 
 `KvKernels` is a mixin of CudaBackend. Its launch methods take device addresses only and
 enqueue one kernel launch on `stream`: no host synchronisation, no allocation and no copy
@@ -14,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import DevicePtr
+from ..backend import BlockRegions, DevicePtr
 from ..codecs.rotation import ROTATED_HEAD_DIMS
-from ..dtype import SIDE_FORMATS, KvCacheDtype
+from ..dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
+from ..validate import index_in_range, positive_int
 
 KV_THREADS = 128
 """Threads per CTA of the KV row kernels (KV_THREADS in kv_rows.cu)."""
@@ -121,7 +124,66 @@ class KvLayer(ctypes.Structure):
 
 KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS),
                 ("pagedkv_kv_write_layers", KvWriteLayersArgs, KV_THREADS)]
-"""(kernel name, argument structure, threads per CTA) of kv_rows.cu."""
+"""(kernel name, argument structure, threads per CTA) of kv_rows.cu's row kernels."""
+
+
+class KvChecksumPartialArgs(ctypes.Structure):
+    """Parameters of `pagedkv_kv_checksum_partial` (kv_rows.cu)."""
+
+    _fields_ = [
+        ("pool", ctypes.c_uint64),
+        ("block_stride", ctypes.c_int64),
+        ("blocks", ctypes.c_uint64),
+        ("num_blocks", ctypes.c_int32),
+        ("fmt", ctypes.c_int32),
+        ("row_elements", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("partials", ctypes.c_uint64),
+    ]
+
+
+class KvChecksumFinalArgs(ctypes.Structure):
+    """Parameters of `pagedkv_kv_checksum_final` (kv_rows.cu)."""
+
+    _fields_ = [
+        ("partials", ctypes.c_uint64),
+        ("num_partials", ctypes.c_int32),
+        ("out", ctypes.c_uint64),
+    ]
+
+
+CHECKSUM_KERNELS = [("pagedkv_kv_checksum_partial", KvChecksumPartialArgs), ("pagedkv_kv_checksum_final", KvChecksumFinalArgs)]
+"""(kernel name, argument structure) of kv_rows.cu's checksum kernels, launched with
+nvrtc.REDUCE_THREADS threads (its -DCHECKSUM_THREADS)."""
+
+_INT32_MAX = 2**31 - 1
+
+
+def check_kv_side_row(
+    regions: BlockRegions, region: int, fmt: KvCacheDtype, block_size: int, row_elements: int
+) -> tuple[int, int, int, KvCacheDtype]:
+    """`(region, base, stride, fmt)` of the pool row a checksum reads, after checking the
+    index, that `fmt` is a side format, that `block_size` and `row_elements` (values a
+    token: heads * head_dim, a multiple of 16) are positive ints the kernels take, and that
+    a block of that geometry is exactly the row's block size; IndexError/ValueError/
+    TypeError name the bad value."""
+    region = index_in_range(region, len(regions), "region", f"a table of {len(regions)} regions")
+    if not isinstance(fmt, KvCacheDtype) or fmt not in FORMAT_CODES:
+        raise ValueError(f"fmt must be a side format ({', '.join(f.value for f in FORMAT_CODES)}), got {fmt!r}")
+    block_size = positive_int(block_size, "block_size")
+    row_elements = positive_int(row_elements, "row_elements")
+    if row_elements % 16:
+        raise ValueError(f"row_elements must be a multiple of 16, got {row_elements}")
+    if block_size * row_elements > _INT32_MAX:
+        raise ValueError(f"a block of {block_size} x {row_elements} values is above the kernels' limit {_INT32_MAX}")
+    nbytes = int(regions.nbytes[region])
+    want = side_bytes(fmt, block_size * row_elements)
+    if want != nbytes:
+        raise ValueError(
+            f"region {region} holds {nbytes}-byte blocks; {fmt.value} of {block_size} x {row_elements} values "
+            f"is {want} bytes"
+        )
+    return region, int(regions.bases[region]), int(regions.strides[region]), fmt
 
 
 def _inv_sqrt_n(head_dim: int) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..log import get_logger
-from ..exact_sum import SSQ_DIGITS, SUM_DIGITS
+from ..exact_sum import F32_SSQ_DIGITS, F32_SUM_DIGITS, SSQ_DIGITS, SUM_DIGITS
 from . import _bindings
 from .errors import CudaError, UnsupportedArchitecture, check
 
@@ -33,13 +33,19 @@ DEFAULT_OPTIONS = ("--std=c++17", "-default-device")
 """NVRTC options every kernel is compiled with (no include paths: kernels use no headers)."""
 
 REDUCE_THREADS = 256
-"""Threads per CTA of the reduction kernels: passed to reduce_bf16.cu as -DREDUCE_THREADS."""
+"""Threads per CTA of the reduction kernels: passed to reduce_bf16.cu as -DREDUCE_THREADS
+and to kv_rows.cu (its checksum kernels) as -DCHECKSUM_THREADS."""
 
 _SOURCE_DEFINES = {
     "reduce_bf16.cu": (
         f"-DREDUCE_THREADS={REDUCE_THREADS}",
         f"-DSUM_DIGITS={SUM_DIGITS}",
         f"-DSSQ_DIGITS={SSQ_DIGITS}",
+    ),
+    "kv_rows.cu": (
+        f"-DCHECKSUM_THREADS={REDUCE_THREADS}",
+        f"-DF32_SUM_DIGITS={F32_SUM_DIGITS}",
+        f"-DF32_SSQ_DIGITS={F32_SSQ_DIGITS}",
     ),
 }
 

@@ -455,3 +455,172 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
         }
     }
 }
+
+// ---- exact checksums of stored values (pagedkv_kv_checksum_partial / _final) --------------
+//
+// Sum, sum of |x| and sum of squares of every stored value of the listed blocks of one pool,
+// decoded by the read path's decoders above without unrotation (fp8 as its E4M3 values,
+// without the per-tensor scale). Decoded values are float32: each finite one is
+// m * 2^(s - 149) (m < 2^24, 0 <= s <= 253), so each thread adds integers in units 2^-149
+// (values) and 2^-298 (squares) into carry-save accumulators of 32-bit digits held in int64
+// words; integer addition is exact and associative, so every grid, CTA order and thread count
+// gives the same words, which pagedkv/exact_sum.py (stats_from_f32_words) rounds once to
+// float64. Non-finite values only set flag bits. Pass 1: each CTA writes CS_RESULT_WORDS
+// words; pass 2: one CTA adds the partials. CHECKSUM_THREADS, F32_SUM_DIGITS and
+// F32_SSQ_DIGITS come from Python as -D options (pagedkv.driver.nvrtc.source_defines).
+
+#if !defined(CHECKSUM_THREADS) || !defined(F32_SUM_DIGITS) || !defined(F32_SSQ_DIGITS)
+#error "compile with -DCHECKSUM_THREADS=... -DF32_SUM_DIGITS=... -DF32_SSQ_DIGITS=... (pagedkv.driver.nvrtc.source_defines)"
+#endif
+
+#define CS_SUM_AT 0
+#define CS_SABS_AT F32_SUM_DIGITS
+#define CS_SSQ_AT (2 * F32_SUM_DIGITS)
+#define CS_FLAGS_AT (2 * F32_SUM_DIGITS + F32_SSQ_DIGITS)
+#define CS_RESULT_WORDS (CS_FLAGS_AT + 1)
+#define CS_NORMALIZE_EVERY (1 << 29)  // each add puts < 2^33 into a digit: 2^29 adds cannot overflow
+#define CS_WORDS_PER_ROUND 19         // words of the shared tree per round: CS_RESULT_WORDS (37) in two
+
+#define CS_FLAG_NAN 1u
+#define CS_FLAG_POS_INF 2u
+#define CS_FLAG_NEG_INF 4u
+
+struct ExactAcc {
+    i64 d[CS_FLAGS_AT];
+    u32 flags;
+    u32 pending;  // values added since the last normalize
+};
+
+__device__ __forceinline__ void exact_init(ExactAcc& a) {
+#pragma unroll
+    for (int i = 0; i < CS_FLAGS_AT; i++) a.d[i] = 0;
+    a.flags = 0;
+    a.pending = 0;
+}
+
+// Propagate the carries of digits d[0, n): every digit but the top ends in [0, 2^32).
+__device__ __forceinline__ void exact_carry(i64* d, int n) {
+    for (int i = 0; i + 1 < n; i++) {
+        const i64 c = d[i] >> 32;  // arithmetic shift: floor division by 2^32
+        d[i] -= c * 4294967296LL;
+        d[i + 1] += c;
+    }
+}
+
+__device__ __forceinline__ void exact_normalize(ExactAcc& a) {
+    exact_carry(a.d + CS_SUM_AT, F32_SUM_DIGITS);
+    exact_carry(a.d + CS_SABS_AT, F32_SUM_DIGITS);
+    exact_carry(a.d + CS_SSQ_AT, F32_SSQ_DIGITS);
+    a.pending = 0;
+}
+
+__device__ __forceinline__ void exact_add(ExactAcc& a, float x) {
+    const u32 bits = __float_as_uint(x);
+    const u32 e = (bits >> 23) & 0xFFu;
+    const u32 f = bits & 0x7FFFFFu;
+    if (e == 0xFFu) {
+        a.flags |= f ? CS_FLAG_NAN : ((bits >> 31) ? CS_FLAG_NEG_INF : CS_FLAG_POS_INF);
+        return;
+    }
+    const u32 m = e ? (f | 0x800000u) : f;
+    if (m == 0) return;
+    const u32 s = e ? e - 1 : 0;
+    const u64 v = (u64)m << (s & 31);  // < 2^55
+    const int dv = (int)(s >> 5);
+    const i64 lo = (i64)(v & 0xFFFFFFFFull), hi = (i64)(v >> 32);
+    if (bits >> 31) {
+        a.d[CS_SUM_AT + dv] -= lo;
+        a.d[CS_SUM_AT + dv + 1] -= hi;
+    } else {
+        a.d[CS_SUM_AT + dv] += lo;
+        a.d[CS_SUM_AT + dv + 1] += hi;
+    }
+    a.d[CS_SABS_AT + dv] += lo;
+    a.d[CS_SABS_AT + dv + 1] += hi;
+    const u64 mm = (u64)m * m;  // < 2^48
+    const u32 r = (2 * s) & 31;
+    const int dq = (int)((2 * s) >> 5);
+    const u64 q_lo = (mm & 0xFFFFFFFFull) << r;  // < 2^63
+    const u64 q_hi = (mm >> 32) << r;            // < 2^47
+    a.d[CS_SSQ_AT + dq] += (i64)(q_lo & 0xFFFFFFFFull);
+    a.d[CS_SSQ_AT + dq + 1] += (i64)(q_lo >> 32) + (i64)(q_hi & 0xFFFFFFFFull);
+    a.d[CS_SSQ_AT + dq + 2] += (i64)(q_hi >> 32);
+    if (++a.pending == CS_NORMALIZE_EVERY) exact_normalize(a);
+}
+
+// Sum every thread's words over the CTA (flags OR-ed); thread 0 writes them to `out`. The
+// caller normalised each thread's digits (< 2^32 but the signed top), so the CTA's sums stay
+// far inside int64.
+__device__ void exact_cta_write(const ExactAcc& a, i64* __restrict__ out) {
+    __shared__ i64 cs_sh[CS_WORDS_PER_ROUND][CHECKSUM_THREADS];
+    for (int first = 0; first < CS_RESULT_WORDS; first += CS_WORDS_PER_ROUND) {
+#pragma unroll
+        for (int j = 0; j < CS_WORDS_PER_ROUND; j++)
+            cs_sh[j][threadIdx.x] = first + j < CS_FLAGS_AT ? a.d[first + j] : (i64)a.flags;
+        __syncthreads();
+        for (int half = CHECKSUM_THREADS / 2; half > 0; half >>= 1) {
+            if (threadIdx.x < half) {
+#pragma unroll
+                for (int j = 0; j < CS_WORDS_PER_ROUND; j++) {
+                    if (first + j < CS_FLAGS_AT) cs_sh[j][threadIdx.x] += cs_sh[j][threadIdx.x + half];
+                    else cs_sh[j][threadIdx.x] |= cs_sh[j][threadIdx.x + half];
+                }
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0)
+            for (int j = 0; j < CS_WORDS_PER_ROUND && first + j < CS_RESULT_WORDS; j++) out[first + j] = cs_sh[j][0];
+        __syncthreads();
+    }
+}
+
+// Launch with CHECKSUM_THREADS threads; `partials` holds CS_RESULT_WORDS int64 words per CTA.
+// Block b of the pool is at pool + b * block_stride, laid out as FORMATS.md says for `fmt`
+// with `row_elements` values a token and `block_size` tokens; a BF16 pool is 2-byte aligned
+// (checked in Python).
+extern "C" __global__ void __launch_bounds__(CHECKSUM_THREADS) pagedkv_kv_checksum_partial(
+    u64 pool, i64 block_stride, const int* __restrict__ blocks, int num_blocks,
+    int fmt, int row_elements, int block_size, i64* __restrict__ partials)
+{
+    if (blockDim.x != CHECKSUM_THREADS) __trap();
+    ExactAcc a;
+    exact_init(a);
+    const SideGeometry g = geometry(fmt, row_elements, block_size);
+    const i64 values = (i64)row_elements * block_size;
+    const i64 groups = values / GROUP;
+    const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
+    for (int k = blockIdx.x; k < num_blocks; k += gridDim.x) {
+        const u8* base = (const u8*)(pool + (i64)blocks[k] * block_stride);
+        if (fmt == FMT_BF16) {
+            for (i64 i = threadIdx.x; i < values; i += CHECKSUM_THREADS) exact_add(a, bf16_decode(((const u16*)base)[i]));
+        } else if (fmt == FMT_FP8) {
+            for (i64 i = threadIdx.x; i < values; i += CHECKSUM_THREADS) exact_add(a, e4m3_decode(base[i]));
+        } else {
+            // group G of the block: data rows are contiguous, so its bytes are at G * group_bytes
+            // and its scale at data_section + G * ssize, whatever token it belongs to
+            for (i64 gi = threadIdx.x; gi < groups; gi += CHECKSUM_THREADS) {
+                float x[GROUP];
+                decode_group(fmt, base + gi * group_bytes, base + g.data_section + gi * ssize, x);
+                for (int i = 0; i < GROUP; i++) exact_add(a, x[i]);
+            }
+        }
+    }
+    exact_normalize(a);
+    exact_cta_write(a, partials + (i64)CS_RESULT_WORDS * blockIdx.x);
+}
+
+// Launch one CTA of CHECKSUM_THREADS threads: adds `num_partials` partial results into `out`.
+extern "C" __global__ void __launch_bounds__(CHECKSUM_THREADS) pagedkv_kv_checksum_final(
+    const i64* __restrict__ partials, int num_partials, i64* __restrict__ out)
+{
+    if (blockDim.x != CHECKSUM_THREADS) __trap();
+    ExactAcc a;
+    exact_init(a);
+    for (int p = threadIdx.x; p < num_partials; p += CHECKSUM_THREADS) {
+        const i64* part = partials + (i64)CS_RESULT_WORDS * p;
+        for (int j = 0; j < CS_FLAGS_AT; j++) a.d[j] += part[j];
+        a.flags |= (u32)part[CS_FLAGS_AT];
+        exact_normalize(a);  // a partial's digits are < 2^41: normalising after each keeps a far from overflow
+    }
+    exact_cta_write(a, out);
+}
