@@ -15,8 +15,13 @@ from kernel_harness.kv_checksum_checks import CASES, checksum_case_body
 from kernel_harness.stub import run_on_stub
 
 
-@pytest.mark.parametrize("sms", [2, 132])
-@pytest.mark.parametrize("case", sorted(set(CASES) - {"mutation_small"}))  # that one runs in the mutation test
+_CASES = sorted(set(CASES) - {"mutation_small"})  # that one runs in the mutation test
+# every case at 2 SMs (each CTA's partial pass loops over several blocks); the all-format
+# case again at 132 (one block or none per CTA, most partials empty)
+_RUNS = [(case, 2) for case in _CASES] + [("all_formats_hd128_bs16", 132)]
+
+
+@pytest.mark.parametrize("case,sms", _RUNS, ids=[f"{c}-{s}" for c, s in _RUNS])
 def test_device_checksums_equal_host_checksums_and_fsum(stub_env, case, sms):
     out = run_on_stub(stub_env, checksum_case_body(case, sms), timeout=300)
     assert "CHECK checksum ok" in out
