@@ -584,13 +584,14 @@ def test_queued_kernel_batches_keep_their_descriptors(stub_env):
     ''')
 
 
-def test_staged_launches_inside_a_capture_are_refused(stub_env):
+def test_captures_refuse_staged_launches_and_keep_an_undestroyed_graph(stub_env):
     """A kernel-path batch (its descriptor in a mapped staging slot) or a block kernel (its
     indices uploaded from a staging slot) inside a capture would bake a slot that later
     calls rewrite, so a replay would copy another batch's ranges: the call is refused with
     GraphCaptureError before anything is acquired or enqueued, the capture is discarded,
     and the staging ring works afterwards. The driver path (no staging) is captured and
-    its replay copies its own ranges."""
+    its replay copies its own ranges; a graph whose destroy the driver refuses stays
+    recorded and the next close() frees it."""
     _run(stub_env, '''
         from pagedkv import KvCacheConfig, PagedKvCache
         from pagedkv.driver import GraphCaptureError
@@ -622,6 +623,16 @@ def test_staged_launches_inside_a_capture_are_refused(stub_env):
                     graph.launch(stream)
                     gpu.synchronize(stream)
                     assert (swap.array[:4096] == 2).all() and (swap.array[4096:] == 0).all()
+                    STUB.stub_fail_next(b"cuGraphExecDestroy", 1)  # a refused destroy stays recorded
+                    try:
+                        graph.close()
+                    except CudaError as err:
+                        assert err.call == "cuGraphExecDestroy", err
+                    else:
+                        raise AssertionError("the injected failure was not raised")
+                    assert (STUB.stub_live_graph_execs(), STUB.stub_live_graphs()) == (1, 0) and not graph.ready
+                    graph.close()
+                    assert STUB.stub_live_graph_execs() == 0
                     graph.close()
                 cache = PagedKvCache(KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16"), 4, gpu)
                 launches = calls("cuLaunchKernel")
