@@ -634,6 +634,16 @@ def test_captures_refuse_staged_launches_and_keep_an_undestroyed_graph(stub_env)
                     graph.close()
                     assert STUB.stub_live_graph_execs() == 0
                     graph.close()
+                    try:  # a capture ended by an exception, its graph's destroy refused: kept, freed by close()
+                        with gpu.capture(stream) as dropped:
+                            gpu.memset_async(dev, 1, 64, stream)
+                            STUB.stub_fail_next(b"cuGraphDestroy", 1)
+                            raise KeyError("body")
+                    except KeyError:
+                        pass
+                    assert STUB.stub_live_graphs() == 1 and not dropped.ready
+                    dropped.close()
+                    assert STUB.stub_live_graphs() == 0
                 cache = PagedKvCache(KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16"), 4, gpu)
                 launches = calls("cuLaunchKernel")
                 try:

@@ -116,6 +116,8 @@ class _Capture:
                     destroyed = driver.cuGraphDestroy(graph)
                     if int(getattr(destroyed[0], "value", destroyed[0])) != 0:
                         _log.error("cuda_graph_destroy_failed", status=int(getattr(destroyed[0], "value", destroyed[0])))
+                        self._graph._graph, self._graph._closed = graph, True  # recorded: close() retries it
+                        self._backend._graphs.add(self._graph)
                 if isinstance(error, CudaError) and not isinstance(error, GraphCaptureError) and error.status in CAPTURE_STATUSES:
                     raise _capture_error(error) from error
                 return  # the body's own exception goes on
