@@ -54,9 +54,14 @@ def side_stats(pools: KvPools, layer: int, side: str, idx: np.ndarray, gpu: GpuB
 
 
 def _block_array(pools: KvPools, blocks: Sequence[int]) -> np.ndarray:
-    """`blocks` checked against the pools (live, every index in range) as an int64 array."""
+    """`blocks` checked against the pools (live, every index in range and, for elastic
+    pools, resident: a checksum kernel reading an unmapped block would fault the GPU) as an
+    int64 array."""
     pools.regions()  # KvCacheError once released
-    return np.asarray(block_list(blocks, pools.num_blocks()), dtype=np.int64)
+    idx = np.asarray(block_list(blocks, pools.num_blocks()), dtype=np.int64)
+    if idx.size:
+        pools.check_resident(int(idx.max()))
+    return idx
 
 
 def checksum_per_layer(

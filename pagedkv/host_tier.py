@@ -167,15 +167,17 @@ class HostTier:
     def free(self, blocks: Sequence[int], after: SwapHandle | None = None) -> None:
         """Give allocated host blocks back (they leave the LRU). With `after`, a swap still
         reading them, they become free only once it is done. Checked before anything
-        changes: a free or repeated block raises naming it."""
+        changes: a free or repeated block raises naming it, and so does an error polling
+        `after` (the blocks stay allocated)."""
         blocks = self._host_blocks(blocks, "free")
         self._check_allocated(blocks, "free of")
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"host tier free lists a block twice: {blocks}")
+        reading = after is not None and not after.done()  # may raise (an event error): nothing changed yet
         for block in blocks:
             self._lru.pop(block, None)
         self._allocated[blocks] = False
-        if after is not None and not after.done():
+        if reading:
             self._pending.append((after, blocks))
         else:
             for block in blocks:

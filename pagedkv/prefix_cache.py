@@ -750,15 +750,16 @@ class PrefixCache:
 
     def _to_device(self, nodes: list[_Node], blocks: list[int], after=None) -> None:
         """Make host-resident `nodes` (a chain, parent first) device-resident in `blocks`
-        (each already carrying the cache's reference); their host blocks are freed once
-        `after` (the swap reading them, if any) is done."""
+        (held by the caller, who adds the cache's reference); their host blocks are freed
+        once `after` (the swap reading them, if any) is done. An error polling `after`
+        propagates with nothing changed."""
         hosts = [n.host for n in nodes]
+        self._tier.free(hosts, after=after)  # first: if polling `after` fails, nothing has changed
         for node, block in zip(nodes, blocks):
             del self._by_host[node.host]
             node.host, node.block = None, block
             self._by_block[block] = node
             node.parent.n_dev += 1
-        self._tier.free(hosts, after=after)
         if self._on_event is not None:
             self._emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
 
@@ -800,9 +801,9 @@ class PrefixCache:
         handle = tier.swap_in([n.host for n in nodes], blocks, stream)
         if wait:
             handle.wait()
-        self._cache.inc_refs(blocks)
-        self._unpin(found)
         self._to_device(nodes, blocks, after=handle)
+        self._cache.inc_refs(blocks)  # after the step that can fail: the caller frees `blocks` once
+        self._unpin(found)
         found.path = found.path + nodes
         found.promoted = len(nodes)
         self._promotions += len(nodes)

@@ -469,3 +469,27 @@ def test_a_reservation_the_host_cannot_back_is_out_of_memory_and_reserves_nothin
     with pytest.raises(DeviceOutOfMemory, match="cannot reserve"):  # 256 TiB: past any x86-64 address space
         PagedKvCache(wide, 2**31 - 1, gpu, elastic=True)
     assert gpu.live_allocations() == 0 and gpu.live_bytes() == 0
+
+
+def test_checksums_refuse_a_block_the_elastic_pools_do_not_back_before_any_event():
+    """The checksum kernels read the pools directly: a block inside the reservation but not
+    mapped would fault a GPU, so both diagnostics refuse it, naming it, with nothing logged;
+    resident blocks are checksummed as on a whole cache."""
+    from structlog.testing import capture_logs
+
+    gpu = host()
+    cache = PagedKvCache(config(), 64, gpu, elastic=True)
+    held = cache.alloc_blocks(2)
+    assert cache.resident_blocks() == 8
+    with capture_logs() as logs:
+        with pytest.raises(IndexError, match="block 40 is not resident"):
+            cache.debug_kv_checksum_per_layer([0, 40], 1, gpu, 0, "t")
+        with pytest.raises(IndexError, match="block 40 is not resident"):
+            cache.debug_kv_per_block(0, [1, 40], gpu, 0, "t")
+    assert logs == []
+    cache.init_blocks(held, gpu, 0)
+    with capture_logs() as logs:
+        cache.debug_kv_per_block(0, [7, 1], gpu, 0, "t")
+    assert [(e["phys"], e["k_ssq"]) for e in logs] == [(7, 0.0), (1, 0.0)]
+    cache.free_blocks(held)
+    cache.release(gpu)

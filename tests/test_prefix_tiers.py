@@ -209,6 +209,32 @@ def test_a_failing_swap_in_changes_nothing(world, monkeypatch):
     world.table.check_invariants()
 
 
+def test_a_promotion_whose_swap_event_cannot_be_polled_changes_nothing(world, monkeypatch):
+    """The host tier polls the swap_in's event to know when its host blocks may be reused;
+    a backend error there (an event recorded inside a graph capture, a device fault) leaves
+    the sequence unadded, the host blocks allocated and cached, every count as it was."""
+    world.cached_prompt("a", PROMPT)
+    world.cache.free_blocks(world.squeeze(6))
+    before = (world.prefix.stats(), world.tier.lru_blocks(), world.tier.num_free_blocks(),
+              world.cache.num_free_blocks(), list(world.events))
+
+    def refused(event):
+        raise RuntimeError(f"event {event}: planted query failure")
+
+    monkeypatch.setattr(world.gpu, "event_done", refused)
+    with pytest.raises(RuntimeError, match="planted query failure"):
+        world.table.add("b", PROMPT)
+    assert "b" not in world.table and world.prefix._pinned == set()
+    assert before == (world.prefix.stats(), world.tier.lru_blocks(), world.tier.num_free_blocks(),
+                      world.cache.num_free_blocks(), world.events)
+    world.table.check_invariants()
+    monkeypatch.undo()
+    assert world.table.add("b", PROMPT) == 12
+    world.table.free("b")
+    world.table.check_invariants()
+    assert world.tier.num_free_blocks() == 4 and world.prefix.num_host_blocks() == 0
+
+
 def test_a_failing_swap_out_leaves_the_victims_cached_on_the_device(world, monkeypatch):
     world.cached_prompt("a", PROMPT)
     before = (world.prefix.stats(), world.cache.num_free_blocks(), world.prefix.block_references())

@@ -582,3 +582,80 @@ def test_queued_kernel_batches_keep_their_descriptors(stub_env):
             for k in range(8):
                 assert (swap.array[k * 4096:(k + 1) * 4096] == 8 - k).all(), (k, swap.array[k * 4096])
     ''')
+
+
+def test_captures_refuse_staged_launches_and_keep_an_undestroyed_graph(stub_env):
+    """A kernel-path batch (its descriptor in a mapped staging slot) or a block kernel (its
+    indices uploaded from a staging slot) inside a capture would bake a slot that later
+    calls rewrite, so a replay would copy another batch's ranges: the call is refused with
+    GraphCaptureError before anything is acquired or enqueued, the capture is discarded,
+    and the staging ring works afterwards. The driver path (no staging) is captured and
+    its replay copies its own ranges; a graph whose destroy the driver refuses stays
+    recorded and the next close() frees it."""
+    _run(stub_env, '''
+        from pagedkv import KvCacheConfig, PagedKvCache
+        from pagedkv.driver import GraphCaptureError
+        for mode in ("kernel", "auto"):
+            with CudaBackend(copy_batch=mode) as gpu:
+                stream = gpu.create_stream()
+                dev = gpu.alloc(8 * 4096)
+                swap = gpu.alloc_swap_memory(8 * 4096)
+                gpu.copy_h2d(np.repeat(np.arange(1, 9, dtype=np.uint8), 4096), dev)
+                for _ in range(len(gpu._mapped_staging)):  # every slot allocated: a capture needs no allocation
+                    gpu.copy_batch_async([swap.address], [int(dev)], [16], stream)
+                gpu.synchronize(stream)
+                swap.array[:] = 0
+                graph = None
+                try:
+                    with gpu.capture(stream) as graph:
+                        gpu.copy_batch_async([swap.address], [int(dev) + 4096], [4096], stream)
+                except GraphCaptureError as err:
+                    assert mode == "kernel" and (err.call, err.status) == ("a staged launch", 900), (mode, err)
+                    assert not graph.ready and STUB.stub_live_graphs() == 0
+                else:
+                    assert mode == "auto" and graph.ready, mode
+                for k in range(8):
+                    gpu.copy_batch_async([swap.address + k * 4096], [int(dev) + (7 - k) * 4096], [4096], stream)
+                gpu.synchronize(stream)
+                assert [int(swap.array[k * 4096]) for k in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+                if graph.ready:
+                    swap.array[:] = 0
+                    graph.launch(stream)
+                    gpu.synchronize(stream)
+                    assert (swap.array[:4096] == 2).all() and (swap.array[4096:] == 0).all()
+                    STUB.stub_fail_next(b"cuGraphExecDestroy", 1)  # a refused destroy stays recorded
+                    try:
+                        graph.close()
+                    except CudaError as err:
+                        assert err.call == "cuGraphExecDestroy", err
+                    else:
+                        raise AssertionError("the injected failure was not raised")
+                    assert (STUB.stub_live_graph_execs(), STUB.stub_live_graphs()) == (1, 0) and not graph.ready
+                    graph.close()
+                    assert STUB.stub_live_graph_execs() == 0
+                    graph.close()
+                    try:  # a capture ended by an exception, its graph's destroy refused: kept, freed by close()
+                        with gpu.capture(stream) as dropped:
+                            gpu.memset_async(dev, 1, 64, stream)
+                            STUB.stub_fail_next(b"cuGraphDestroy", 1)
+                            raise KeyError("body")
+                    except KeyError:
+                        pass
+                    assert STUB.stub_live_graphs() == 1 and not dropped.ready
+                    dropped.close()
+                    assert STUB.stub_live_graphs() == 0
+                cache = PagedKvCache(KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16"), 4, gpu)
+                launches = calls("cuLaunchKernel")
+                try:
+                    with gpu.capture(stream):
+                        cache.init_blocks([1, 2], gpu, stream)
+                except GraphCaptureError as err:
+                    assert (err.call, err.status) == ("a staged launch", 900) and calls("cuLaunchKernel") == launches, err
+                else:
+                    raise AssertionError("a staged block kernel was captured")
+                cache.init_blocks([1, 2], gpu, stream)
+                gpu.synchronize(stream)
+                cache.release(gpu)
+                swap.free()
+                gpu.free(dev)
+    ''')

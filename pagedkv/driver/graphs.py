@@ -64,25 +64,27 @@ class CudaGraph:
             check(driver.cuGraphLaunch(self._exec, handle), "cuGraphLaunch")
 
     def close(self) -> None:
-        """`cuGraphExecDestroy` and `cuGraphDestroy` (both attempted; the first error raised)."""
+        """`cuGraphExecDestroy` and `cuGraphDestroy` (both attempted; the first error raised).
+        A handle the driver refuses to destroy stays recorded: a second `close()`, or the
+        backend's close, tries it again; with nothing left a call does nothing."""
         with self._backend._lock:
-            if self._closed:
-                return
             self._closed = True
-            self._backend._graphs.discard(self)
-            exec_, graph, self._exec, self._graph = self._exec, self._graph, None, None
             first = None
-            if exec_ is not None or graph is not None:
+            if self._exec is not None or self._graph is not None:
                 driver = self._backend._enter()
-                for call, handle in (("cuGraphExecDestroy", exec_), ("cuGraphDestroy", graph)):
+                for call, attr in (("cuGraphExecDestroy", "_exec"), ("cuGraphDestroy", "_graph")):
+                    handle = getattr(self, attr)
                     if handle is None:
                         continue
                     try:
                         check(getattr(driver, call)(handle), call)
                     except CudaError as err:
                         first = first or err
+                    else:
+                        setattr(self, attr, None)
             if first is not None:
                 raise first
+            self._backend._graphs.discard(self)
 
 
 class _Capture:
@@ -114,6 +116,8 @@ class _Capture:
                     destroyed = driver.cuGraphDestroy(graph)
                     if int(getattr(destroyed[0], "value", destroyed[0])) != 0:
                         _log.error("cuda_graph_destroy_failed", status=int(getattr(destroyed[0], "value", destroyed[0])))
+                        self._graph._graph, self._graph._closed = graph, True  # recorded: close() retries it
+                        self._backend._graphs.add(self._graph)
                 if isinstance(error, CudaError) and not isinstance(error, GraphCaptureError) and error.status in CAPTURE_STATUSES:
                     raise _capture_error(error) from error
                 return  # the body's own exception goes on

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ._bindings import driver
-from .errors import check
+from .errors import CudaError, check
 
 SLOTS = 4
 """Slots in the ring to start with: launches on different streams can overlap this many deep."""
@@ -33,6 +33,20 @@ _MIN_BYTES = 64 << 10
 _CU_EVENT_DISABLE_TIMING = 2
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x02
+_CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+
+
+def refuse_capture(stream: Any, what: str) -> None:
+    """Raise CudaError (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, naming `what`) when `stream`
+    is capturing a CUDA graph: staged work reads a slot that later calls rewrite, so a
+    graph replaying it would read another call's indices or descriptor."""
+    capturing = check(driver.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    if int(getattr(capturing, "value", capturing)) != 0:
+        raise CudaError(
+            what, _CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+            "operation not permitted when stream is capturing",
+            "(it reads a reused staging slot, which a graph replay would find rewritten)",
+        )
 
 
 class StagingSlot:
@@ -151,7 +165,9 @@ class StagingRing:
         """A slot for work the block enqueues on `stream`. On leaving the block, normally or
         by an exception (a failed launch after a queued upload), the slot is marked in use
         until that work completes; if even the event cannot be recorded, the stream is
-        waited for, so a queued copy can never race the slot's next user."""
+        waited for, so a queued copy can never race the slot's next user. A stream that is
+        capturing a CUDA graph is refused first (`refuse_capture`), nothing acquired."""
+        refuse_capture(stream, "a staged launch")
         slot = self.acquire(nbytes)
         try:
             yield slot

@@ -159,13 +159,17 @@ def rule_events(gpu: Any) -> None:
 
 @rule("cache", requires=("host_tier",))
 def rule_host_tier_swaps(gpu: Any) -> None:
-    """A HostTier over a cache of mixed formats and dims: swap_out then swap_in move every
-    layer's K and V of the listed blocks byte for byte, each in ONE copy_batch_async call."""
+    """A HostTier over a cache of mixed formats and dims: swap_out (on a created stream)
+    then swap_in (on the default stream) move every layer's K and V of the listed blocks
+    byte for byte, each in ONE copy_batch_async call. (On CudaBackend the two streams take
+    both copy paths: cuMemcpyBatchAsync where the driver has it, and the copy kernel,
+    which the legacy default stream always takes.)"""
     from ..host_tier import HostTier
 
     cache = PagedKvCache(_MIXED, 8, gpu)
     tier = None
     calls: list[int] = []
+    side_stream = gpu.create_stream()
     try:
         tier = HostTier(cache, 4, gpu)
         blocks = cache.alloc_blocks(8)
@@ -186,7 +190,7 @@ def rule_host_tier_swaps(gpu: Any) -> None:
         try:
             host = tier.alloc(3)
             stream = gpu.default_stream()
-            tier.swap_out(blocks[:3], host, stream).wait()
+            tier.swap_out(blocks[:3], host, side_stream).wait()
             tier.swap_in(host, blocks[5:8][::-1], stream).wait()
         finally:
             del gpu.copy_batch_async
@@ -204,3 +208,4 @@ def rule_host_tier_swaps(gpu: Any) -> None:
         if tier is not None:
             tier.release(gpu)
         cache.release(gpu)
+        gpu.destroy_stream(side_stream)
