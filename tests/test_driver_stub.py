@@ -459,7 +459,7 @@ def test_cuda_marked_suite_runs_over_the_stub(stub_env):
         import pagedkv.driver
         pagedkv.driver.is_available = lambda: True
         import pytest
-        code = pytest.main(["-q", "-p", "no:cacheprovider", "-m", "cuda", %r])
+        code = pytest.main(["-q", "-n", "0", "-p", "no:cacheprovider", "-m", "cuda", %r])
         assert code == 0, code
     ''' % str(Path(__file__).parent))
 

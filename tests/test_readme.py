@@ -38,6 +38,19 @@ def test_readme_test_command_is_what_ci_runs():
     assert commands[1] in ci
 
 
+def test_the_test_command_runs_two_workers_from_the_test_extra():
+    """The README: the test command runs in two pytest-xdist workers, installed by `test`."""
+    import os
+
+    pyproject = (README.parent / "pyproject.toml").read_text()  # no tomllib on Python 3.10
+    assert re.search(r'^addopts = "-n 2"$', pyproject, flags=re.M)
+    assert re.search(r'^test = \[.*"pytest-xdist>=3".*\]$', pyproject, flags=re.M)
+    assert "two worker processes" in README.read_text()
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        pytest.skip("this run was started with -n 0 (or -o addopts=): not in an xdist worker")
+    assert os.environ["PYTEST_XDIST_WORKER_COUNT"] == "2"
+
+
 def _command_line_section() -> str:
     text = README.read_text()
     return text[text.index("## Command line"):text.index("## Tests")]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: the cuda-marked tests, then the GPU
 # benchmark section. Installs nothing from the network: wheels the machine lacks
-# (structlog, hypothesis) are taken from ./.whl when that directory exists. The repository
+# (structlog, hypothesis) are taken from ./.whl when that directory exists; pytest-xdist is
+# not needed (-o addopts="" runs the tests in one process). The repository
 # root goes on PYTHONPATH, so no install of pagedkv itself is needed. Exit status is
 # non-zero when a test fails or a benchmark floor is missed.
 set -euo pipefail
@@ -27,7 +28,7 @@ fi
 
 status=0
 echo "== pytest -m cuda =="
-timeout 240 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rs tests || status=$?
+timeout 240 "$PYTHON" -m pytest -q -o addopts="" -m cuda -p no:cacheprovider -rs tests || status=$?
 echo "== tools/bench.py --gpu =="
 # floors: batched fill >= 50x the per-layer memset loop at 256 blocks; fill >= 80%, copy and
 # checksum >= 75% of the DRAM bandwidth one large cuMemcpyDtoD measures (read + write counted);
