@@ -53,7 +53,12 @@ def gpu(request):
         pytest.importorskip("torch", reason="torch is not installed (the interop extra)")
         from pagedkv.backends.torch_arena import TorchArenaBackend
 
-        return TorchArenaBackend(capacity_bytes=HOST_CAPACITY)
+        import torch
+
+        # fresh memory of one fixed, non-zero pattern: what a test sees never depends on
+        # which test ran before it (torch.empty would hand back earlier tests' bytes)
+        return TorchArenaBackend(capacity_bytes=HOST_CAPACITY,
+                                 allocate=lambda n: torch.full((n,), 0xA5, dtype=torch.uint8))
     return request.getfixturevalue("cuda_session")
 
 
