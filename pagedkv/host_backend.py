@@ -25,6 +25,7 @@ from .backend import (
     check_fill_byte,
     host_bytes,
 )
+from .batch_ranges import as_ranges, check_overlaps
 from .capabilities import check_capability_name
 from .errors import DeviceMemoryError, DeviceOutOfMemory
 from .exact_sum import bf16_stats
@@ -382,15 +383,13 @@ class HostBackend:
         does nothing, and so does a 0-byte range (its addresses are not looked at, as on
         CudaBackend)."""
         self._check_stream(stream)
-        dst, src, size = _batch_arrays(dsts, srcs, sizes)
+        dst, src, size, index = as_ranges(dsts, srcs, sizes)
         views = []
-        for i in range(dst.size):
+        for i, at in enumerate(index.tolist()):
             nbytes = int(size[i])
-            if nbytes == 0:
-                continue
-            views.append((self._range_view(int(dst[i]), nbytes, i, "destination"),
-                          self._range_view(int(src[i]), nbytes, i, "source")))
-        _check_batch_overlap(dst, src, size)
+            views.append((self._range_view(int(dst[i]), nbytes, at, "destination"),
+                          self._range_view(int(src[i]), nbytes, at, "source")))
+        check_overlaps(dst, src, size, index)
         for out, data in views:
             out[:] = data
 
@@ -450,52 +449,6 @@ class HostSwapMemory:
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"
         return f"HostSwapMemory(0x{self.address:x}, {self.nbytes} bytes, {state})"
-
-
-def _batch_arrays(dsts, srcs, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`copy_batch_async`'s three lists as int64 arrays of one length; ValueError naming a
-    list that is not 1-D ints, a negative entry or unequal lengths."""
-    out = []
-    for name, values in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
-        arr = np.asarray(values)
-        if arr.size == 0:
-            arr = np.zeros(0, np.int64)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"copy_batch_async {name} must be a 1-D sequence of ints, got {values!r:.80}")
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            raise ValueError(f"copy_batch_async {name} holds {int(arr.max())}, beyond any address")
-        arr = arr.astype(np.int64)
-        if arr.size and arr.min() < 0:
-            i = int(np.argmin(arr))
-            raise ValueError(f"copy_batch_async {name}[{i}] is negative: {int(arr[i])}")
-        out.append(arr)
-    if not out[0].size == out[1].size == out[2].size:
-        raise ValueError(
-            f"copy_batch_async needs equal lengths, got {out[0].size} dsts, {out[1].size} srcs, {out[2].size} sizes"
-        )
-    return out[0], out[1], out[2]
-
-
-def _check_batch_overlap(dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> None:
-    """ValueError when two destination ranges overlap, or a destination overlaps a source
-    (zero-byte ranges overlap nothing)."""
-    keep = size > 0
-    dst, src, size = dst[keep], src[keep], size[keep]
-    if dst.size == 0:
-        return
-    order = np.argsort(dst, kind="stable")
-    starts, ends = dst[order], dst[order] + size[order]
-    clash = np.flatnonzero(starts[1:] < ends[:-1])
-    if clash.size:
-        a, b = int(order[clash[0]]), int(order[clash[0] + 1])
-        raise ValueError(f"copy_batch_async destinations {a} and {b} overlap (0x{int(dst[a]):x} and 0x{int(dst[b]):x})")
-    s_order = np.argsort(src, kind="stable")
-    s_starts, s_ends = src[s_order], np.maximum.accumulate(src[s_order] + size[s_order])
-    last = np.searchsorted(s_starts, ends, side="left") - 1  # the last source starting before each end
-    hit = (last >= 0) & (s_ends[np.maximum(last, 0)] > starts)
-    if hit.any():
-        i = int(order[np.flatnonzero(hit)[0]])
-        raise ValueError(f"copy_batch_async destination {i} (0x{int(dst[i]):x}, {int(size[i])} bytes) overlaps a source")
 
 
 def _host_address_space(granularity: int) -> HostAddressSpace:
