@@ -19,7 +19,6 @@ from ..streams import is_stream_object, stream_handle
 from ._bindings import CU_STREAM_LEGACY, driver as _driver
 from .errors import check
 from .pinned import PinnedBuffer
-from .swap_memory import SwapMemory
 
 
 _EVENT_DISABLE_TIMING = 2
@@ -30,8 +29,9 @@ def _gib(nbytes: int) -> str:
 
 
 def _host_view(buf: Any, writable: bool) -> tuple[int, int, Any]:
-    """(address, nbytes, keep-alive) of a C-contiguous host buffer or PinnedBuffer."""
-    if isinstance(buf, (PinnedBuffer, SwapMemory)):
+    """(address, nbytes, keep-alive) of a C-contiguous host buffer or PinnedBuffer
+    (SwapMemory is one)."""
+    if isinstance(buf, PinnedBuffer):
         buf = buf.array
     arr = host_bytes(buf, writable)
     return arr.ctypes.data, arr.nbytes, arr

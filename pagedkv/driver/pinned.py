@@ -25,7 +25,7 @@ class PinnedBuffer:
     def array(self) -> np.ndarray:
         """The buffer as a 1-D uint8 array (raises after `free()`)."""
         if self._array is None:
-            raise ValueError("PinnedBuffer has been freed")
+            raise ValueError(f"{type(self).__name__} has been freed")
         return self._array
 
     @property
@@ -59,4 +59,4 @@ class PinnedBuffer:
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else f"0x{self.address:x}"
-        return f"PinnedBuffer({self.nbytes} bytes at {state})"
+        return f"{type(self).__name__}({self.nbytes} bytes at {state})"
