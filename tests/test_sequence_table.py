@@ -560,7 +560,11 @@ def test_serving_bench_section_runs_both_ways(capsys):
         import bench_serving
     finally:
         sys.path.pop(0)
+    import structlog
+
+    was_configured = structlog.is_configured()
     bench_serving.run(argparse.Namespace(quick=True))
+    assert structlog.is_configured() == was_configured  # the bench put the logging configuration back
     out = capsys.readouterr().out
     assert "serving mix, 256 seqs x 32 steps: SequenceTable" in out
     assert "prefix-cache evictions each way" in out

@@ -296,8 +296,17 @@ def run(args) -> None:
     short mix with fewer repetitions."""
     quick = getattr(args, "quick", False)
     repeats = 2 if quick else 7
+    # the reference checkout logs through plain structlog (info on stdout unless configured):
+    # keep warnings and up while measuring, then put the process's configuration back
+    was_configured, saved = structlog.is_configured(), structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    _mix(repeats, 32 if quick else STEPS, 16 if quick else WARMUP_STEPS)
-    old = _reference_package()
-    _prefix_floor("match + free_blocks, cached 4096-token prompt:", _match_free_call, repeats * (10 if quick else 100), REFERENCE_MATCH_FREE_US, old)
-    _prefix_floor("first-time insert, 4096-token prompt:         ", _insert_call, repeats * (5 if quick else 50), REFERENCE_INSERT_US, old)
+    try:
+        _mix(repeats, 32 if quick else STEPS, 16 if quick else WARMUP_STEPS)
+        old = _reference_package()
+        _prefix_floor("match + free_blocks, cached 4096-token prompt:", _match_free_call, repeats * (10 if quick else 100), REFERENCE_MATCH_FREE_US, old)
+        _prefix_floor("first-time insert, 4096-token prompt:         ", _insert_call, repeats * (5 if quick else 50), REFERENCE_INSERT_US, old)
+    finally:
+        if was_configured:
+            structlog.configure(**saved)
+        else:
+            structlog.reset_defaults()
