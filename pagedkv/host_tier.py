@@ -31,6 +31,7 @@ from .capabilities import require
 from .errors import KvCacheError, KvCacheExhausted, RefCountError
 from .log import get_logger
 from .streams import stream_handle
+from .teardown import free_each
 from .validate import block_list, index_in_range, non_negative_int, positive_int
 
 _log = get_logger("host_tier")
@@ -386,14 +387,6 @@ class HostTier:
         self._free_memories(raise_first=True)
 
     def _free_memories(self, raise_first: bool) -> None:
-        kept, first = [], None
-        for memory in self._memories:
-            try:
-                memory.free()
-            except Exception as err:  # noqa: BLE001 - every memory must be attempted
-                kept.append(memory)
-                first = first or err
-                _log.error("host_tier_free_failed", memory=repr(memory), error=str(err))
-        self._memories = kept
+        self._memories, first = free_each(self._memories, lambda m: m.free(), _log, "host_tier_free_failed", field="memory")
         if first is not None and raise_first:
             raise first

@@ -18,6 +18,7 @@ from .capabilities import require
 from .config import MAX_NUM_BLOCKS, KvCacheConfig
 from .errors import KvCacheError
 from .log import get_logger
+from .teardown import free_each
 from .validate import block_index, positive_int
 
 _log = get_logger("pools")
@@ -120,19 +121,15 @@ class KvPools:
             except Exception as err:  # noqa: BLE001 - every pool must still be attempted
                 first = err
                 _log.error("kv_region_table_free_failed", error=str(err))
-        kept = []
-        for pool in self._owned:
-            try:
-                if self._elastic is None:
-                    gpu.free(pool)
-                else:
-                    gpu.release_address(pool)  # unmaps what is still mapped
-                    self._elastic.forget_pool(pool)
-            except Exception as err:  # noqa: BLE001 - every pool must be attempted
-                kept.append(pool)
-                first = first or err
-                _log.error("kv_pool_free_failed", pool=repr(pool), error=str(err))
-        self._owned = kept
+        def free_pool(pool: DevicePtr) -> None:
+            if self._elastic is None:
+                gpu.free(pool)
+            else:
+                gpu.release_address(pool)  # unmaps what is still mapped
+                self._elastic.forget_pool(pool)
+
+        self._owned, failed = free_each(self._owned, free_pool, _log, "kv_pool_free_failed", field="pool")
+        first = first or failed
         if first is not None and raise_first:
             raise first
 

@@ -32,6 +32,7 @@ from .guard import ThreadGuard
 from .log import get_logger
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .streams import stream_handle
+from .teardown import free_each
 from .validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
 from .views import DeviceArrayPtr, export_dlpack, export_dlpack_device
 
@@ -704,14 +705,6 @@ class SequenceTable:
         if backend is None:
             raise ValueError(f"release needs the backend that holds the table's {len(pending)} export buffer(s)")
         self._buffers = {}
-        self._stale = []
-        first: BaseException | None = None
-        for ptr in pending:
-            try:
-                backend.free(ptr)
-            except Exception as err:  # noqa: BLE001 - every buffer must be attempted
-                first = first or err
-                self._stale.append(ptr)
-                _log.error("sequence_table_buffer_free_failed", error=str(err))
+        self._stale, first = free_each(pending, backend.free, _log, "sequence_table_buffer_free_failed")
         if first is not None:
             raise first

@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
 
 from .errors import TeardownError
 from .log import get_logger
 
 _log = get_logger("teardown")
+
+T = TypeVar("T")
+
+
+def free_each(
+    items: Iterable[T], free: Callable[[T], Any], log: Any, event: str, field: str | None = None
+) -> tuple[list[T], BaseException | None]:
+    """Call `free(item)` for every item, past failures: returns the items whose free raised
+    (in order, so the caller keeps them recorded for a retry) and the first error (None
+    when all succeeded). Each failure is logged on the caller's logger `log` as error event
+    `event` with `error` and, when `field` is given, `field=repr(item)`. The caller decides
+    whether to raise."""
+    kept: list[T] = []
+    first: BaseException | None = None
+    for item in items:
+        try:
+            free(item)
+        except Exception as err:  # noqa: BLE001 - every item must be attempted
+            kept.append(item)
+            first = first or err
+            fields = {field: repr(item)} if field is not None else {}
+            log.error(event, **fields, error=str(err))
+    return kept, first
 
 
 @runtime_checkable
