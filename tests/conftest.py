@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 from pagedkv import HostBackend
@@ -108,3 +109,17 @@ class HeldSet:
 def held_set():
     """A fresh `HeldSet` reclaimer (attach it with `cache.attach_prefix_cache`)."""
     return HeldSet()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_configuration_per_test():
+    """Each test starts from the structlog configuration the session had: structlog's
+    capture_logs (and any test that configures structlog) leaves it "configured", which
+    would route pagedkv's events to stdout in every later test of the same process."""
+    was_configured, saved = structlog.is_configured(), structlog.get_config()
+    yield
+    if was_configured:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()
+
