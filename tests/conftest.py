@@ -9,7 +9,7 @@ import structlog
 from hypothesis import HealthCheck, settings
 
 from pagedkv import HostBackend
-from pagedkv.env import reload_flags
+from pagedkv.core.env import reload_flags
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pagedkv import HostBackend
-from pagedkv.capabilities import CAPABILITIES
+from pagedkv.backends.capabilities import CAPABILITIES
 from pagedkv.testing import conformance_tests
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv.batch_ranges import AddressTable, as_ranges, check_overlaps
+from pagedkv.backends.batch_ranges import AddressTable, as_ranges, check_overlaps
 
 
 def test_as_ranges_accepts_ints_and_numpy_and_drops_empty_ranges():

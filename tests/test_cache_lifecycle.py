@@ -19,7 +19,7 @@ from pagedkv import (
     PagedKvCache,
     RefCountError,
 )
-from pagedkv.trace import HISTORY_PER_BLOCK
+from pagedkv.core.trace import HISTORY_PER_BLOCK
 
 from conftest import HeldSet
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
-from pagedkv.capabilities import (
+from pagedkv.backends.capabilities import (
     CAPABILITIES,
     BackendFeatureMissing,
     backend_supports,

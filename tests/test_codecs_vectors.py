@@ -9,7 +9,7 @@ import pytest
 from pagedkv import KvCacheDtype
 from pagedkv.codecs import decode, encode
 from pagedkv.codecs.codebooks import TURBO2_LEVELS, TURBO3_LEVELS, TURBO4_LEVELS
-from pagedkv.dtype import side_data_bytes
+from pagedkv.core.dtype import side_data_bytes
 
 E2M1_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 TURBO4_BOOK = [-2.7326, -2.0690, -1.6180, -1.2562, -0.9423, -0.6568, -0.3880, -0.1284,

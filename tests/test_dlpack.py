@@ -9,8 +9,10 @@ import gc
 import numpy as np
 import pytest
 
-from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable, dlpack
-from pagedkv.dlpack import DLManagedTensor, DLManagedTensorVersioned
+from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable
+
+from pagedkv.interop import dlpack
+from pagedkv.interop.dlpack import DLManagedTensor, DLManagedTensorVersioned
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _get_pointer.restype = ctypes.c_void_p

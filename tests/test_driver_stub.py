@@ -57,7 +57,7 @@ def test_lifecycle_context_modules_and_close(stub_env):
             assert calls("cuModuleGetFunction") == 10  # the kernels of KERNELS (kv_rows.cu has five)
             assert gpu.device_name == "pagedkv stub device 0"
             assert gpu.compute_capability == (9, 0) and gpu.sm_count == 132
-            from pagedkv.backend import GpuBackend
+            from pagedkv.backends.protocol import GpuBackend
             assert isinstance(gpu, GpuBackend)
             leaked = gpu.alloc(4096)
             pinned = gpu.alloc_pinned(4096)

@@ -120,7 +120,7 @@ def test_is_grouped():
 
 def test_side_formats_is_the_one_table():
     from pagedkv import SIDE_FORMATS, SideFormat
-    from pagedkv.dtype import side_spec
+    from pagedkv.core.dtype import side_spec
 
     assert SIDE_FORMATS == {
         D.BF16: SideFormat(16, 0, False, "bf16"),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
-from pagedkv.capabilities import BackendFeatureMissing
-from pagedkv.elastic_allocator import ElasticBlockAllocator, StepFreeLists
+from pagedkv.backends.capabilities import BackendFeatureMissing
+from pagedkv.core.elastic_allocator import ElasticBlockAllocator, StepFreeLists
 from pagedkv.errors import DeviceMemoryError, DeviceOutOfMemory, KvCacheError, KvCacheExhausted, RefCountError
 
 G = 4096

@@ -16,7 +16,7 @@ from kernel_harness.stub import run_on_stub
 SETUP = '''
 from pagedkv import KvCacheConfig, PagedKvCache
 from pagedkv.driver import CudaBackend
-from pagedkv.capabilities import BackendFeatureMissing
+from pagedkv.backends.capabilities import BackendFeatureMissing
 from pagedkv.errors import KvCacheError, KvCacheExhausted
 STUB.stub_set_vmm_granularity.argtypes = [ctypes.c_size_t]
 STUB.stub_set_vmm_granularity(4096)

@@ -1,4 +1,4 @@
-"""Exact BF16 checksums (pagedkv.exact_sum) and HostBackend.reduce_bf16_blocks: each
+"""Exact BF16 checksums (pagedkv.core.exact_sum) and HostBackend.reduce_bf16_blocks: each
 result is the correctly rounded exact value, i.e. what math.fsum gives over the float64
 values (or their float64 squares, which are exact), on data built to defeat float64
 accumulation: huge and tiny values together, cancellation, subnormals."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedkv import HostBackend
-from pagedkv.exact_sum import (
+from pagedkv.core.exact_sum import (
     FLAG_NAN,
     FLAG_NEG_INF,
     FLAG_POS_INF,

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pagedkv.guard import ConcurrentUseError, ThreadGuard
+from pagedkv.core.guard import ConcurrentUseError, ThreadGuard
 
 
 def other_thread_enters(guard: ThreadGuard) -> list[str]:

@@ -1,18 +1,18 @@
 """HostTier: swaps of every layer's K and V in one batched copy, byte-exact over mixed
 formats; the checks that refuse a bad swap before anything moves; events; release. The
-`gpu` tests rely only on the "host_tier" contract (pagedkv.capabilities)."""
+`gpu` tests rely only on the "host_tier" contract (pagedkv.backends.capabilities)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pagedkv.capabilities import backend_supports
+from pagedkv.backends.capabilities import backend_supports
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache
-from pagedkv.capabilities import BackendFeatureMissing
+from pagedkv.backends.capabilities import BackendFeatureMissing
 from pagedkv.errors import DeviceOutOfMemory, KvCacheError, KvCacheExhausted, RefCountError
-from pagedkv.host_tier import Event, HostTier, SwapHandle
+from pagedkv.tiers.host_tier import Event, HostTier, SwapHandle
 
 MIXED = KvCacheConfig(
     block_size=4, num_kv_heads=2, head_dim=32, num_layers=3, dtype="turbo4k3v",

@@ -83,7 +83,11 @@ def test_public_api_is_sorted_and_complete():
         assert name in pagedkv.__all__, name
     assert pagedkv.SKIP_SLOT == -1
     # every public class, function and constant of the core modules is exported
-    from pagedkv import allocator, cache, errors, pools, prefix_cache, sequence_table
+    from pagedkv import cache, errors
+    from pagedkv.core import allocator
+    from pagedkv.kv import pools
+    from pagedkv.sequences import prefix_cache
+    from pagedkv.sequences import sequence_table
 
     for module in (allocator, cache, errors, pools, prefix_cache, sequence_table):
         for name, obj in vars(module).items():

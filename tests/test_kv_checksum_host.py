@@ -1,5 +1,5 @@
 """Host side of the every-format checksums: the float32 fixed-point layout of
-pagedkv.exact_sum (words -> float64 == float_stats == math.fsum), the geometry check of
+pagedkv.core.exact_sum (words -> float64 == float_stats == math.fsum), the geometry check of
 CudaBackend.reduce_kv_blocks, and diagnostics handing every side to a backend's
 `reduce_kv_blocks` when it has one (the kernels themselves run in
 test_kv_checksums_on_stub.py)."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype, PagedKvCache
-from pagedkv.backend import BlockRegions
-from pagedkv.exact_sum import (
+from pagedkv.backends.protocol import BlockRegions
+from pagedkv.core.exact_sum import (
     F32_RESULT_WORDS,
     F32_SSQ_DIGITS,
     F32_SUM_DIGITS,
@@ -124,7 +124,7 @@ class DeviceReducing(HostBackend):
 
     def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream):
         from pagedkv.codecs import decode
-        from pagedkv.dtype import side_bytes
+        from pagedkv.core.dtype import side_bytes
 
         self.calls.append(("reduce_kv", region, tuple(int(b) for b in blocks), fmt.value, block_size, row_elements))
         nbytes = side_bytes(fmt, block_size * row_elements)

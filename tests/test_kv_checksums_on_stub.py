@@ -37,7 +37,7 @@ def test_checksums_never_copy_pool_bytes_to_the_host(stub_env):
         from structlog.testing import capture_logs
         from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
         from pagedkv.driver import CudaBackend
-        from pagedkv.exact_sum import F32_RESULT_WORDS, RESULT_WORDS
+        from pagedkv.core.exact_sum import F32_RESULT_WORDS, RESULT_WORDS
 
         formats = ("fp8", "bf16", "nvfp4", "turbo4", "turbo3", "turbo2", "turbo8", "fp8k_turbo2v")
         cfg = KvCacheConfig(block_size=16, num_kv_heads=2, head_dim=64, num_layers=len(formats), dtype="bf16",

@@ -1,4 +1,4 @@
-"""The device form of write_tokens/read_tokens (pagedkv.kv_device): DeviceArray and DLPack
+"""The device form of write_tokens/read_tokens (pagedkv.kv.device_path): DeviceArray and DLPack
 inputs, the out_k/out_v read form, the NaN/inf counter. On HostBackend the same arguments
 name host memory and take the host codecs; on CudaBackend (over the libcuda stub, kernels
 executing in the harness) a call is one kernel launch and nothing else that synchronises,
@@ -78,7 +78,7 @@ def test_cuda_device_path_is_one_launch_and_byte_exact(stub_env):
         import ml_dtypes
         from pagedkv import DeviceArray, HostBackend, KvCacheConfig, PagedKvCache
         from pagedkv.driver import CudaBackend
-        from pagedkv.views import DeviceArrayPtr
+        from pagedkv.interop.views import DeviceArrayPtr
         CONFIG = dict(block_size=16, num_kv_heads=2, head_dim=128, num_layers=2, dtype="turbo4k_turbo3v",
                       layer_dtypes=("turbo4k_turbo3v", "fp8k_turbo2v"))
         NAMES = """cuCtxSynchronize cuEventSynchronize cuStreamSynchronize cuMemAlloc cuMemFree cuMemFreeHost

@@ -1,5 +1,5 @@
 """Prefill writes of many layers in one launch (`PagedKvCache.plan_layer_writes`,
-pagedkv.kv_prefill; `pagedkv_kv_write_layers` in kv_rows.cu): over the libcuda stub with
+pagedkv.kv.prefill; `pagedkv_kv_write_layers` in kv_rows.cu): over the libcuda stub with
 the kernels executing, one launch writes every planned layer (mixed formats and dims, BF16
 and float32 rows, a row stride, -1 and out-of-order slots) byte-equal to HostBackend's
 `write_tokens` per layer, in two CTA orders, again after new rows and slots are written

@@ -1,4 +1,4 @@
-"""write_tokens / read_tokens (pagedkv.kv_rows) through the cache: every format, mixed layers,
+"""write_tokens / read_tokens (pagedkv.kv.rows) through the cache: every format, mixed layers,
 placement, errors. Caches here hold every block, since only held blocks may be written."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv import KvCacheConfig, KvCacheDtype, KvCacheError, PagedKvCache
 from pagedkv.codecs import decode, encode
-from pagedkv.dtype import side_data_bytes, side_scale_bytes
+from pagedkv.core.dtype import side_data_bytes, side_scale_bytes
 
 BLOCK = 4
 ALL_FORMATS = list(KvCacheDtype)

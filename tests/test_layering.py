@@ -1,5 +1,7 @@
-"""Import layering: pagedkv's modules import each other without a circle, and the core
-modules never import back up to the ones built on them (TYPE_CHECKING imports count)."""
+"""Import layering: pagedkv's modules import each other without a circle, and each
+sub-package imports only the sub-packages the table below allows it (TYPE_CHECKING and
+function-level imports count). The table is the one statement of the architecture's
+direction; docs/ARCHITECTURE.md and each package's docstring say the same."""
 
 from __future__ import annotations
 
@@ -10,29 +12,25 @@ import pagedkv
 
 PACKAGE_DIR = Path(pagedkv.__file__).parent
 
-# Lower rank = lower layer. A listed module may import only listed modules of lower or equal
-# rank; modules not listed (new ones) are held to the no-circle rule alone.
-RANKS = {
-    "pagedkv.errors": 0,
-    "pagedkv.validate": 0,
-    "pagedkv.env": 0,
-    "pagedkv.log": 0,
-    "pagedkv.trace": 0,
-    "pagedkv.teardown": 1,
-    "pagedkv.dtype": 1,
-    "pagedkv.config": 2,
-    "pagedkv.backend": 2,
-    "pagedkv.codecs": 2,
-    "pagedkv.host_backend": 3,
-    "pagedkv.allocator": 3,
-    "pagedkv.pools": 3,
-    "pagedkv.driver": 3,
-    "pagedkv.kv_rows": 4,
-    "pagedkv.diagnostics": 4,
-    "pagedkv.cache": 5,
-    "pagedkv.prefix_cache": 6,
-    "pagedkv.sequence_table": 7,
+ALLOWED = {
+    "errors": set(),
+    "core": {"errors"},
+    "backends": {"core", "errors"},
+    "codecs": {"core", "errors"},
+    "interop": {"backends", "core", "errors"},
+    "driver": {"backends", "codecs", "core", "errors"},
+    "kv": {"driver", "interop", "backends", "codecs", "core", "errors"},
+    "cache": {"kv", "interop", "backends", "codecs", "core", "errors"},
+    "tiers": {"cache", "kv", "backends", "core", "errors"},
+    "sequences": {"tiers", "cache", "kv", "interop", "backends", "core", "errors"},
+    "testing": {"sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core", "errors"},
+    "cli": {"testing", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core", "errors"},
 }
+"""Sub-package (or flat module) of pagedkv -> the ones it may import. The package root
+(`pagedkv/__init__.py`, `__main__.py`) may import anything."""
+
+FLAT_MODULES = {"__init__", "__main__", "errors"}
+"""The only modules directly in pagedkv/; everything else lives in a sub-package."""
 
 
 def module_name(path: Path) -> str:
@@ -78,13 +76,29 @@ def graph() -> dict[str, set[str]]:
     return {module_name(p): imports_of(p) for p in PACKAGE_DIR.rglob("*.py")}
 
 
-def ranked(module: str) -> int | None:
-    """The rank of `module` or of the nearest listed package containing it."""
-    while module:
-        if module in RANKS:
-            return RANKS[module]
-        module = module.rpartition(".")[0]
-    return None
+def part_of(module: str) -> str | None:
+    """The sub-package (or flat module) of `module` that the table speaks of; None for the
+    package root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else None
+
+
+def layering_violations(edges: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    """Every import of `edges` that crosses from one sub-package into another the table
+    does not allow, and every module of a sub-package the table does not list."""
+    bad = []
+    for module, targets in sorted(edges.items()):
+        mine = part_of(module)
+        if mine is None:
+            continue
+        if mine not in allowed:
+            bad.append(f"{module} is in {mine!r}, which the layering table does not list")
+            continue
+        for target in sorted(targets):
+            theirs = part_of(target)
+            if theirs is not None and theirs != mine and theirs not in allowed[mine]:
+                bad.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return bad
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -115,10 +129,12 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_the_known_imports():
     edges = graph()
-    assert "pagedkv.allocator" in edges["pagedkv.cache"] and "pagedkv.pools" in edges["pagedkv.cache"]
-    assert "pagedkv.kv_rows" in edges["pagedkv.cache"] and "pagedkv.pools" in edges["pagedkv.kv_rows"]
-    assert "pagedkv.dtype" in edges["pagedkv.codecs.side"]
-    assert "pagedkv.cache" in edges["pagedkv.prefix_cache"]
+    cache = edges["pagedkv.cache.paged_cache"]
+    assert {"pagedkv.core.allocator", "pagedkv.kv.pools", "pagedkv.kv.rows", "pagedkv.interop.views"} <= cache
+    assert "pagedkv.kv.pools" in edges["pagedkv.kv.rows"]
+    assert "pagedkv.core.dtype" in edges["pagedkv.codecs.side"]
+    assert "pagedkv.cache" in edges["pagedkv.sequences.prefix_cache"] or \
+        "pagedkv.cache.paged_cache" in edges["pagedkv.sequences.prefix_cache"]
 
 
 def test_no_import_circle_anywhere():
@@ -130,20 +146,45 @@ def test_find_cycle_finds_a_planted_circle():
     assert find_cycle(planted) == ["a", "b", "c", "a"]
 
 
-def test_no_import_points_back_up_the_layers():
-    upward = []
-    for module, targets in graph().items():
-        mine = ranked(module)
-        if mine is None or module.startswith("pagedkv.cli"):
-            continue
-        for target in targets:
-            theirs = ranked(target)
-            if theirs is not None and theirs > mine:
-                upward.append(f"{module} (rank {mine}) imports {target} (rank {theirs})")
-    assert upward == []
+def test_every_import_follows_the_layering_table():
+    assert layering_violations(graph(), ALLOWED) == []
 
 
-def test_pools_rows_and_diagnostics_know_nothing_of_the_cache():
+def test_the_table_is_a_direction_not_a_circle():
+    assert find_cycle({part: set(targets) for part, targets in ALLOWED.items()}) is None
+
+
+def test_a_planted_upward_import_is_caught():
     edges = graph()
-    for module in ("pagedkv.allocator", "pagedkv.pools", "pagedkv.kv_rows", "pagedkv.diagnostics"):
-        assert edges[module] & {"pagedkv.cache", "pagedkv.prefix_cache", "pagedkv.sequence_table"} == set(), module
+    edges["pagedkv.core.allocator"] = edges["pagedkv.core.allocator"] | {"pagedkv.cache.paged_cache"}
+    edges["pagedkv.kv.rows"] = edges["pagedkv.kv.rows"] | {"pagedkv.sequences.prefix_cache"}
+    assert layering_violations(edges, ALLOWED) == [
+        "pagedkv.core.allocator (core) imports pagedkv.cache.paged_cache (cache)",
+        "pagedkv.kv.rows (kv) imports pagedkv.sequences.prefix_cache (sequences)",
+    ]
+    edges["pagedkv.newpart.thing"] = set()
+    assert layering_violations(edges, ALLOWED)[0] == (
+        "pagedkv.newpart.thing is in 'newpart', which the layering table does not list"
+    )
+
+
+def test_only_the_root_modules_are_flat():
+    flat = {p.stem for p in PACKAGE_DIR.glob("*.py")}
+    assert flat == FLAT_MODULES
+    packages = {p.parent.name for p in PACKAGE_DIR.glob("*/__init__.py")}
+    assert packages == set(ALLOWED) - FLAT_MODULES
+
+
+def test_every_sub_package_states_its_job_and_what_it_may_import():
+    for package in sorted(set(ALLOWED) - FLAT_MODULES):
+        doc = ast.get_docstring(ast.parse((PACKAGE_DIR / package / "__init__.py").read_text())) or ""
+        assert doc.startswith(f"pagedkv.{package}:"), package
+        stated = doc.split("May import:", 1)[1] if "May import:" in doc else ""
+        named = {word.split(".")[1].rstrip("`,.() ") for word in stated.split() if word.startswith("`pagedkv.")}
+        assert named == ALLOWED[package], f"{package} states {sorted(named)}, the table {sorted(ALLOWED[package])}"
+
+
+def test_pools_rows_and_diagnostics_know_nothing_of_counts():
+    edges = graph()
+    for module in ("pagedkv.core.allocator", "pagedkv.kv.pools", "pagedkv.kv.rows", "pagedkv.kv.diagnostics"):
+        assert not any(t.startswith(("pagedkv.cache", "pagedkv.sequences")) for t in edges[module]), module

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pagedkv import log
+from pagedkv.core import log
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

@@ -173,7 +173,7 @@ def test_one_check_for_driver_and_nvrtc_statuses():
 def test_source_defines_reach_the_compile_and_the_key(tmp_path):
     """The reduction's thread count comes from Python: the source refuses to compile
     without it, and compile_cached passes `source_defines` (so they key the cache too)."""
-    from pagedkv.exact_sum import SSQ_DIGITS, SUM_DIGITS
+    from pagedkv.core.exact_sum import SSQ_DIGITS, SUM_DIGITS
 
     assert nvrtc.source_defines("reduce_bf16.cu") == (
         f"-DREDUCE_THREADS={nvrtc.REDUCE_THREADS}", f"-DSUM_DIGITS={SUM_DIGITS}", f"-DSSQ_DIGITS={SSQ_DIGITS}")

@@ -21,7 +21,7 @@ from pagedkv import (
     RefCountError,
     SequenceTable,
 )
-from pagedkv.prefix_cache import chain_hash, root_hash
+from pagedkv.sequences.prefix_cache import chain_hash, root_hash
 
 BS = 4
 

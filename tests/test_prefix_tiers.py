@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv.capabilities import backend_supports
+from pagedkv.backends.capabilities import backend_supports
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.errors import KvCacheExhausted
-from pagedkv.host_tier import HostTier
-from pagedkv.prefix_cache import BlockRemoved, BlockStored, chain_hash, root_hash
+from pagedkv.tiers.host_tier import HostTier
+from pagedkv.sequences.prefix_cache import BlockRemoved, BlockStored, chain_hash, root_hash
 
 BS = 4
 CONFIG = KvCacheConfig(

@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv import KvCacheDtype
 from pagedkv.cli import main
-from pagedkv.quality import SCORE_SPREAD, attention, format_table, quality_table, synthetic_kv
+from pagedkv.kv.quality import SCORE_SPREAD, attention, format_table, quality_table, synthetic_kv
 
 
 @pytest.fixture(scope="module")

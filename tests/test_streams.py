@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable
-from pagedkv.streams import is_stream_object, stream_handle
+from pagedkv.core.streams import is_stream_object, stream_handle
 
 
 class EngineStream:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, KvCacheError, PagedKvCache
-from pagedkv.transfer import (
+from pagedkv.tiers.transfer import (
     METADATA_MAGIC,
     KvTransfer,
     LayoutMismatch,
@@ -162,14 +162,14 @@ def test_import_never_loads_nixl_and_its_absence_is_a_clear_error():
     probe = (
         "import sys\n"
         "for m in ('nixl', 'nixl_cu13', 'nixl_cu12'): sys.modules[m] = None\n"
-        "import pagedkv, pagedkv.transfer\n"
+        "import pagedkv, pagedkv.tiers.transfer\n"
         "assert not [m for m in sys.modules if m.startswith('nixl') and sys.modules[m] is not None]\n"
         "from pagedkv import HostBackend, KvCacheConfig, PagedKvCache\n"
         "gpu = HostBackend(1 << 20)\n"
         "cache = PagedKvCache(KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype='bf16'), 2, gpu)\n"
         "try:\n"
-        "    pagedkv.transfer.KvTransfer(cache, gpu, 'a')\n"
-        "except pagedkv.transfer.NixlUnavailable as err:\n"
+        "    pagedkv.tiers.transfer.KvTransfer(cache, gpu, 'a')\n"
+        "except pagedkv.tiers.transfer.NixlUnavailable as err:\n"
         "    print('REFUSED', err)\n"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
@@ -179,7 +179,7 @@ def test_import_never_loads_nixl_and_its_absence_is_a_clear_error():
 
 
 def test_import_of_pagedkv_transfer_does_not_import_nixl():
-    probe = "import sys, pagedkv.transfer; print(sorted(m for m in sys.modules if m.startswith('nixl')))"
+    probe = "import sys, pagedkv.tiers.transfer; print(sorted(m for m in sys.modules if m.startswith('nixl')))"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -446,7 +446,7 @@ def test_the_readme_transfer_example_runs():
 def test_a_transfer_prints_nothing():
     probe = (
         "from pagedkv import HostBackend, KvCacheConfig, PagedKvCache\n"
-        "from pagedkv.transfer import KvTransfer\n"
+        "from pagedkv.tiers.transfer import KvTransfer\n"
         "config = KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype='bf16')\n"
         "ga, gb = HostBackend(1 << 20), HostBackend(1 << 20)\n"
         "a, b = PagedKvCache(config, 2, ga), PagedKvCache(config, 2, gb)\n"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagedkv import MAX_TOKEN_ID, token_ids
-from pagedkv.validate import block_index, block_list
+from pagedkv.core.validate import block_index, block_list
 
 
 def test_token_ids_accepts_ints_in_range_and_returns_a_new_list():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagedkv import DeviceMemoryError, KvCacheConfig, KvCacheError, PagedKvCache, SequenceTable
-from pagedkv.capabilities import BackendFeatureMissing
+from pagedkv.backends.capabilities import BackendFeatureMissing
 from pagedkv.codecs import encode
 from kernel_harness.stub import run_on_stub
 
@@ -214,7 +214,8 @@ def test_last_page_len_follows_flashinfer_and_an_empty_sequence_gets_zero(host):
 
 def test_cuda_views_capsules_cai_and_stream_waits_over_the_stub(stub_env):
     run_on_stub(stub_env, '''
-        from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable, dlpack
+        from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable
+        from pagedkv.interop import dlpack
         from pagedkv.driver import CudaBackend
         from cuda.bindings import driver as drv
 

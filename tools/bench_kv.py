@@ -79,7 +79,7 @@ def _device_rows(gpu, tokens, rng):
 
 def _bench_format(gpu, stream, timer, fmt, sizes, bandwidth) -> None:
     from pagedkv import DeviceArray, KvCacheConfig, PagedKvCache
-    from pagedkv.dtype import KvCacheDtype, side_bytes
+    from pagedkv.core.dtype import KvCacheDtype, side_bytes
 
     rng = np.random.default_rng(0)
     decode, layers, prefill, reps = sizes["decode_tokens"], sizes["layers"], sizes["prefill_tokens"], sizes["reps"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.quality import describe, format_table, quality_table
+from pagedkv.kv.quality import describe, format_table, quality_table
 
 
 def run(args: argparse.Namespace) -> None:

@@ -43,7 +43,7 @@ def _baseline(gpu, a: PagedKvCache, b: PagedKvCache, layers: int, blocks: int) -
 
 def run(args) -> None:
     """Print NIXL loopback GB/s (contiguous and scattered) beside the backend's own copy."""
-    from pagedkv.transfer import KvTransfer, NixlUnavailable, load_nixl
+    from pagedkv.tiers.transfer import KvTransfer, NixlUnavailable, load_nixl
 
     try:
         load_nixl()

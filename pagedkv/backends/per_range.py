@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backend import (
+from .protocol import (
     Bf16Stats,
     BlockRegions,
     DevicePtr,
@@ -24,7 +24,7 @@ from ..backend import (
     check_copy_pairs,
     check_fill_byte,
 )
-from ..exact_sum import bf16_stats
+from ..core.exact_sum import bf16_stats
 
 
 class PerRangeBlockOps:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..backend import (
+from .protocol import (
     Bf16Stats,
     BlockRegions,
     DevicePtr,
@@ -30,10 +30,10 @@ from ..backend import (
     check_fill_byte,
     host_bytes,
 )
-from ..capabilities import check_capability_name
+from .capabilities import check_capability_name
 from ..errors import DeviceMemoryError, DeviceOutOfMemory
-from ..streams import stream_handle
-from ..validate import positive_int
+from ..core.streams import stream_handle
+from ..core.validate import positive_int
 
 ALIGNMENT = 256
 """Every allocation starts on a multiple of this many bytes."""

@@ -1,9 +1,13 @@
-"""The `pagedkv` command line (`python -m pagedkv`, or the `pagedkv` script): plan, demo, quality.
+"""pagedkv.cli: the `pagedkv` command line (`python -m pagedkv`, or the `pagedkv` script): plan, demo, quality.
 
 Each subcommand lives in its own module with `register(subparsers)`, which adds its parser
 and sets `func(args) -> int` (the exit status). Results go to stdout, pagedkv's events to
 stderr (`--log-level`, default warning). A bad argument is one line on stderr and exit
 status 2; a closed stdout (`pagedkv demo | head -1`) ends the command quietly.
+
+May import: every other part: `pagedkv.testing`, `pagedkv.sequences`, `pagedkv.tiers`,
+`pagedkv.cache`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.driver`, `pagedkv.backends`,
+`pagedkv.codecs`, `pagedkv.core`, `pagedkv.errors`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import structlog
 from . import demo, plan, quality
 from .args import USAGE_ERROR, Parser, UsageError, say_error
 from .console import QuietClosedPipe, log_to_stderr
-from ..log import LEVELS
+from ..core.log import LEVELS
 
 
 def build_parser() -> Parser:

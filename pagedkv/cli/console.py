@@ -7,7 +7,7 @@ import os
 
 import structlog
 
-from ..log import LEVELS, STDERR_PROCESSORS, StderrLogger
+from ..core.log import LEVELS, STDERR_PROCESSORS, StderrLogger
 
 
 class QuietClosedPipe:

@@ -7,8 +7,8 @@ import re
 from fractions import Fraction
 from dataclasses import dataclass
 
-from ..config import KvCacheConfig
-from ..dtype import KvCacheDtype
+from ..core.config import KvCacheConfig
+from ..core.dtype import KvCacheDtype
 from .args import UsageError, converted, positive_int
 
 _UNITS = {

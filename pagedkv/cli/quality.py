@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..quality import describe, format_table, quality_table
+from ..kv.quality import describe, format_table, quality_table
 from .args import UsageError, non_negative_int, positive_int
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtype import KvCacheDtype
+from ..core.dtype import KvCacheDtype
 
 TURBO4_LEVELS = np.array(
     [-2.7326, -2.0690, -1.6180, -1.2562, -0.9423, -0.6568, -0.3880, -0.1284,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, side_bytes, side_data_bytes
+from ..core.dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, side_bytes, side_data_bytes
 from . import groups
 from .codebooks import turbo_codebook
 from .floats import bf16_decode, bf16_encode, e4m3_decode, e4m3_encode

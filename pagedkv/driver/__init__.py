@@ -1,12 +1,15 @@
-"""The CUDA backend: the CUDA driver API through cuda-python's `cuda.bindings`, with the
-block kernels compiled at run time by NVRTC.
+"""pagedkv.driver: the CUDA backend. The CUDA driver API through cuda-python's
+`cuda.bindings`, with the kernels of `pagedkv/nvrtc_src/` compiled at run time by NVRTC.
 
 Importing this package calls nothing in the driver, loads no libcuda and compiles
 nothing (CUDA initialised in a parent process breaks forked children): `CudaBackend`,
 `CudaError`, `CudaUnavailable`, `CudaOutOfMemory`, `BackendClosed`,
-`UnsupportedArchitecture`, `PinnedBuffer`, `SwapMemory`, `CudaGraph` and `GraphCaptureError` are
-imported on first
-use, and the first `CudaBackend()` initialises the driver.
+`UnsupportedArchitecture`, `PinnedBuffer`, `SwapMemory`, `CudaGraph` and
+`GraphCaptureError` are imported on first use, and the first `CudaBackend()` initialises
+the driver.
+
+May import: `pagedkv.backends`, `pagedkv.codecs` (the rotation's head dims), `pagedkv.core`,
+`pagedkv.errors`.
 """
 
 from __future__ import annotations

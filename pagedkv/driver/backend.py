@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..backend import DevicePtr
-from ..capabilities import check_capability_name
-from ..log import get_logger
-from ..validate import non_negative_int
+from ..backends.protocol import DevicePtr
+from ..backends.capabilities import check_capability_name
+from ..core.log import get_logger
+from ..core.validate import non_negative_int
 from ._bindings import driver as _driver
 from .device import load_driver, read_device_facts
 from .errors import BackendClosed, CudaUnavailable, check

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..log import get_logger
+from ..core.log import get_logger
 from ._bindings import driver as _driver
 from .errors import CudaError, check
 

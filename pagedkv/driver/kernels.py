@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backend import (
+from ..backends.protocol import (
     Bf16Stats,
     BlockRegions,
     DevicePtr,
@@ -23,8 +23,8 @@ from ..backend import (
     check_copy_pairs,
     check_fill_byte,
 )
-from ..dtype import KvCacheDtype
-from ..exact_sum import F32_RESULT_WORDS, RESULT_WORDS, stats_from_f32_words, stats_from_words
+from ..core.dtype import KvCacheDtype
+from ..core.exact_sum import F32_RESULT_WORDS, RESULT_WORDS, stats_from_f32_words, stats_from_words
 from . import nvrtc
 from .errors import check
 from .kv_kernels import CHECKSUM_KERNELS, FORMAT_CODES, check_kv_side_row

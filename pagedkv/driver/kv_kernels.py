@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import BlockRegions, DevicePtr
+from ..backends.protocol import BlockRegions, DevicePtr
 from ..codecs.rotation import ROTATED_HEAD_DIMS
-from ..dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
-from ..validate import index_in_range, positive_int
+from ..core.dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
+from ..core.validate import index_in_range, positive_int
 
 KV_THREADS = 128
 """Threads per CTA of the KV row kernels (KV_THREADS in kv_rows.cu)."""

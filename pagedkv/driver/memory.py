@@ -13,9 +13,9 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from ..backend import DevicePtr, check_alloc_size, check_byte_count, check_fill_byte, host_bytes
+from ..backends.protocol import DevicePtr, check_alloc_size, check_byte_count, check_fill_byte, host_bytes
 from ..errors import DeviceMemoryError
-from ..streams import is_stream_object, stream_handle
+from ..core.streams import is_stream_object, stream_handle
 from ._bindings import CU_STREAM_LEGACY, driver as _driver
 from .errors import check
 from .pinned import PinnedBuffer

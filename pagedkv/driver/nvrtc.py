@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..log import get_logger
-from ..exact_sum import F32_SSQ_DIGITS, F32_SUM_DIGITS, SSQ_DIGITS, SUM_DIGITS
+from ..core.log import get_logger
+from ..core.exact_sum import F32_SSQ_DIGITS, F32_SUM_DIGITS, SSQ_DIGITS, SUM_DIGITS
 from . import _bindings
 from .errors import CudaError, UnsupportedArchitecture, check
 

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backend import check_alloc_size
+from ..backends.protocol import check_alloc_size
 from ..errors import DeviceMemoryError
 from ._bindings import CU_STREAM_LEGACY
-from ..batch_ranges import AddressTable, as_ranges, check_overlaps
+from ..backends.batch_ranges import AddressTable, as_ranges, check_overlaps
 from .errors import check
 from .memcpy_batch import MemcpyBatch, resolve
 from .swap_memory import SwapMemory

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backend import DevicePtr
+from ..backends.protocol import DevicePtr
 from ..errors import DeviceMemoryError
-from ..validate import as_int, positive_int
+from ..core.validate import as_int, positive_int
 from .errors import check
 
 _ATTR_VMM_SUPPORTED = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED

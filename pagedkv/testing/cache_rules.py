@@ -11,11 +11,11 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from ..cache import PagedKvCache
-from ..config import KvCacheConfig
-from ..host_backend import HostBackend
-from ..prefix_cache import PrefixCache
-from ..sequence_table import SequenceTable
+from ..cache.paged_cache import PagedKvCache
+from ..core.config import KvCacheConfig
+from ..backends.host import HostBackend
+from ..sequences.prefix_cache import PrefixCache
+from ..sequences.sequence_table import SequenceTable
 from .registry import expect, expect_bytes, read, rule
 
 _MIXED = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=16, num_layers=3, dtype="bf16k_turbo3v")

@@ -13,10 +13,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..backend import BlockRegions, Bf16Stats, DevicePtr, GpuBackend
-from ..capabilities import CAPABILITIES, backend_supports
+from ..backends.protocol import BlockRegions, Bf16Stats, DevicePtr, GpuBackend
+from ..backends.capabilities import CAPABILITIES, backend_supports
 from ..errors import DeviceMemoryError, DeviceOutOfMemory
-from ..host_backend import HostBackend, bf16_bytes_to_float64
+from ..backends.host import HostBackend, bf16_bytes_to_float64
 import ctypes
 
 from .registry import RuleNotApplicable, expect, expect_bytes, expect_raises, read, rule

@@ -5,7 +5,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable, Iterable, Mapping
 
-from ..capabilities import backend_supports
+from ..backends.capabilities import backend_supports
 from . import protocol_rules  # noqa: F401 - importing registers the rules, protocol first
 from . import tier_rules  # noqa: F401,I001 - its protocol rules, then its cache rule
 from . import cache_rules  # noqa: F401,I001

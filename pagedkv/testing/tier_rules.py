@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import PagedKvCache
-from ..config import KvCacheConfig
+from ..cache.paged_cache import PagedKvCache
+from ..core.config import KvCacheConfig
 from ..errors import DeviceOutOfMemory
 from .registry import expect, expect_bytes, expect_raises, read, rule
 
@@ -164,7 +164,7 @@ def rule_host_tier_swaps(gpu: Any) -> None:
     byte for byte, each in ONE copy_batch_async call. (On CudaBackend the two streams take
     both copy paths: cuMemcpyBatchAsync where the driver has it, and the copy kernel,
     which the legacy default stream always takes.)"""
-    from ..host_tier import HostTier
+    from ..tiers.host_tier import HostTier
 
     cache = PagedKvCache(_MIXED, 8, gpu)
     tier = None

@@ -6,7 +6,7 @@ operation on HostBackend and asserts they agree, under two CTA orders.
   included, equal to HostBackend's; the guards equal to the seed. Rows mix 16-byte
   aligned blocks with and without tails and unaligned block starts; at 2 SMs some
   launch has more items than CTAs, so the grid-stride loops wrap.
-- reduce: the checksums are exact (pagedkv.exact_sum), so on any data (exactly summable,
+- reduce: the checksums are exact (pagedkv.core.exact_sum), so on any data (exactly summable,
   Gaussian, adversarial: +-max finite cancelling, subnormals, random bits) the three sums
   equal HostBackend's exactly and are identical across CTA orders and SM counts.
 

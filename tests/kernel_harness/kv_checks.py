@@ -33,11 +33,11 @@ _BODY = '''
 import os
 import ml_dtypes
 from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype
-from pagedkv import kv_rows
+from pagedkv.kv import rows as kv_rows
 from pagedkv.codecs.floats import bf16_encode
 from pagedkv.driver import CudaBackend
 from pagedkv.driver.kv_kernels import KvSideArgs
-from pagedkv.pools import KvPools
+from pagedkv.kv.pools import KvPools
 
 STUB.stub_set_device(2, 9, 0)
 STUB.stub_set_occupancy(1)   # 2 SMs x 1 CTA: every launch's grid-stride loop wraps

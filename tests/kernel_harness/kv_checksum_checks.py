@@ -2,7 +2,7 @@
 nvrtc_src/kv_rows.cu against the host decode of pagedkv.codecs): each `checksum_case_body`
 is the body of one subprocess (kernel_harness.stub.PRELUDE first) that builds the same
 multi-layer pools on CudaBackend and HostBackend with the same bytes and asserts, under two
-CTA orders, that the `kv_checksum` and `kv_block_checksum` events of pagedkv.diagnostics
+CTA orders, that the `kv_checksum` and `kv_block_checksum` events of pagedkv.kv.diagnostics
 are identical on both backends (CudaBackend reducing every format on the device,
 HostBackend decoding on the host) and equal to math.fsum over `codecs.decode` of each
 block's bytes (exact_sum's rules where a value is NaN or inf).
@@ -40,13 +40,15 @@ _BODY = '''
 import math
 import os
 from structlog.testing import capture_logs
-from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype, diagnostics, kv_rows
+from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype
+from pagedkv.kv import diagnostics
+from pagedkv.kv import rows as kv_rows
 from pagedkv.codecs import decode
-from pagedkv.dtype import side_bytes, side_data_bytes
-from pagedkv.exact_sum import float_stats
+from pagedkv.core.dtype import side_bytes, side_data_bytes
+from pagedkv.core.exact_sum import float_stats
 from pagedkv.driver import CudaBackend
 from pagedkv.driver.kv_kernels import KvSideArgs
-from pagedkv.pools import KvPools
+from pagedkv.kv.pools import KvPools
 
 SMS = {sms}
 STUB.stub_set_device(SMS, 9, 0)

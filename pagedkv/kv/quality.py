@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codecs import decode, encode
-from .dtype import KvCacheDtype
+from ..codecs import decode, encode
+from ..core.dtype import KvCacheDtype
 
 
 SCORE_SPREAD = 2.0

@@ -16,13 +16,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .backend import Bf16Stats, GpuBackend
-from .codecs import decode
-from .dtype import KvCacheDtype, side_bytes
-from .exact_sum import float_stats
-from .log import get_logger
+from ..backends.protocol import Bf16Stats, GpuBackend
+from ..codecs import decode
+from ..core.dtype import KvCacheDtype, side_bytes
+from ..core.exact_sum import float_stats
+from ..core.log import get_logger
 from .pools import KvPools
-from .validate import as_int, block_list
+from ..core.validate import as_int, block_list
 
 _log = get_logger("diagnostics")
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .backend import (
+from .protocol import (
     Bf16Stats,
     BlockRegions,
     DevicePtr,
@@ -27,11 +27,11 @@ from .backend import (
 )
 from .batch_ranges import as_ranges, check_overlaps
 from .capabilities import check_capability_name
-from .errors import DeviceMemoryError, DeviceOutOfMemory
-from .exact_sum import bf16_stats
+from ..errors import DeviceMemoryError, DeviceOutOfMemory
+from ..core.exact_sum import bf16_stats
 from .host_vmm import HostAddressSpace
-from .streams import stream_handle
-from .validate import positive_int
+from ..core.streams import stream_handle
+from ..core.validate import positive_int
 
 ALIGNMENT = 256
 """Every HostBackend allocation starts on a multiple of this many bytes."""

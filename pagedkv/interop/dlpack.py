@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .streams import stream_handle
+from ..core.streams import stream_handle
 
 KDL_CPU = 1
 """DLDeviceType of host memory."""

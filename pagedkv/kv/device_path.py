@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .device_array import DeviceArray, from_dlpack
-from .driver.kv_kernels import KvSideArgs
+from ..interop.device_array import DeviceArray, from_dlpack
+from ..driver.kv_kernels import KvSideArgs
 
 KDL_CPU = 1
 
@@ -45,7 +45,7 @@ def device_array(x: Any, what: str, gpu: Any, stream: int) -> DeviceArray:
         arr = from_dlpack(x, _dlpack_stream(stream))
     else:
         raise TypeError(f"{what} must be a DeviceArray or a DLPack producer on the device, got {type(x).__name__}")
-    from .views import dlpack_device_of
+    from ..interop.views import dlpack_device_of
 
     want = dlpack_device_of(gpu)
     if arr.device is not None and arr.device != want:

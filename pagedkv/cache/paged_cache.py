@@ -15,16 +15,16 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import diagnostics, kv_device, kv_prefill, kv_rows
-from .allocator import BlockAllocator, BlockReclaimer
-from .elastic_allocator import ElasticBlockAllocator
-from .backend import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
-from .config import KvCacheConfig
-from .env import flags
-from .errors import KvCacheExhausted
-from .log import get_logger
-from .pools import KvPools
-from .validate import non_negative_int, positive_int
+from ..kv import diagnostics, device_path as kv_device, prefill as kv_prefill, rows as kv_rows
+from ..core.allocator import BlockAllocator, BlockReclaimer
+from ..core.elastic_allocator import ElasticBlockAllocator
+from ..backends.protocol import BlockRegions, DevicePtr, GpuBackend, check_copy_pairs, host_bytes
+from ..core.config import KvCacheConfig
+from ..core.env import flags
+from ..errors import KvCacheExhausted
+from ..core.log import get_logger
+from ..kv.pools import KvPools
+from ..core.validate import non_negative_int, positive_int
 
 POISON_BYTE = 0xFF
 """The byte `poison_block` writes: BF16 0xFFFF is a NaN, so a read of a stale block shows."""
@@ -510,13 +510,13 @@ class PagedKvCache:
 
     def k_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
         """`layer`'s K pool as a zero-copy DLPack tensor on `gpu` (work on `stream`); see `pagedkv.views`."""
-        from .views import PoolView
+        from ..interop.views import PoolView
 
         return PoolView(self, layer, "K", gpu, stream, readonly)
 
     def v_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
         """`layer`'s V pool as a zero-copy DLPack tensor (the K view under `v_aliases_k`)."""
-        from .views import PoolView
+        from ..interop.views import PoolView
 
         return PoolView(self, layer, "V", gpu, stream, readonly)
 

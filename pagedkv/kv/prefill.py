@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import kv_device, kv_rows
-from .driver.kv_kernels import KvSideArgs
-from .codecs.side import check_scale
+from . import device_path as kv_device, rows as kv_rows
+from ..driver.kv_kernels import KvSideArgs
+from ..codecs.side import check_scale
 
 
 class LayerWritePlan:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
 
-from .errors import TeardownError
+from ..errors import TeardownError
 from .log import get_logger
 
 _log = get_logger("teardown")

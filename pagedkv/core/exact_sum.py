@@ -24,11 +24,19 @@ An exactly zero sum is +0.0.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .backend import Bf16Stats
+
+class Bf16Stats(NamedTuple):
+    """Sum, sum of squares and sum of absolute values of BF16 values: each the correctly
+    rounded float64 of the exact result (see this module's docstring for non-finite inputs)."""
+
+    sum: float
+    ssq: float
+    sabs: float
+
 
 SUM_SCALE_BITS = 133
 """A value's fixed-point integer is value * 2**SUM_SCALE_BITS."""

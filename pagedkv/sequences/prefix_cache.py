@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 
-from .cache import PagedKvCache
-from .errors import KvCacheError, RefCountError
-from .guard import ThreadGuard
-from .log import get_logger
-from .streams import stream_handle
-from .validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
+from ..cache.paged_cache import PagedKvCache
+from ..errors import KvCacheError, RefCountError
+from ..core.guard import ThreadGuard
+from ..core.log import get_logger
+from ..core.streams import stream_handle
+from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
 
 if TYPE_CHECKING:
-    from .host_tier import HostTier
+    from ..tiers.host_tier import HostTier
 
 _log = get_logger("prefix_cache")
 
@@ -216,7 +216,7 @@ class PrefixCache:
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable, got {on_event!r}")
         if host_tier is not None:
-            from .host_tier import HostTier
+            from ..tiers.host_tier import HostTier
 
             if not isinstance(host_tier, HostTier):
                 raise TypeError(f"host_tier must be a HostTier, got {type(host_tier).__name__}")

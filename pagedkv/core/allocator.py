@@ -17,7 +17,7 @@ import collections
 import operator
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
-from .errors import KvCacheError, KvCacheExhausted, RefCountError
+from ..errors import KvCacheError, KvCacheExhausted, RefCountError
 from .log import get_logger
 from .trace import BlockTracer
 from .validate import as_int, block_list, non_negative_int, positive_int

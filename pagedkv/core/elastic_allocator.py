@@ -19,7 +19,7 @@ import operator
 from typing import Iterable, Iterator, Protocol
 
 from .allocator import BlockAllocator, BlockReclaimer
-from .errors import DeviceOutOfMemory, KvCacheError, KvCacheExhausted, RefCountError
+from ..errors import DeviceOutOfMemory, KvCacheError, KvCacheExhausted, RefCountError
 from .validate import non_negative_int, positive_int
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from .errors import KvCacheError
+from ..errors import KvCacheError
 
 
 class ConcurrentUseError(KvCacheError):

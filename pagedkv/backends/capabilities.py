@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import PagedKvError
+from ..errors import PagedKvError
 
 CAPABILITIES: dict[str, str] = {
     "pinned": "alloc_pinned, copy_h2d_async and copy_d2h_async (page-locked host memory)",

@@ -10,11 +10,12 @@ row (or one row, for the reduction) for a list of block indices, in one launch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .validate import as_int, index_in_range, non_negative_int, positive_int
+from ..core.exact_sum import Bf16Stats
+from ..core.validate import as_int, index_in_range, non_negative_int, positive_int
 
 
 class DevicePtr(int):
@@ -45,15 +46,6 @@ class DevicePtr(int):
 
 NULL = DevicePtr(0)
 """The null device address."""
-
-
-class Bf16Stats(NamedTuple):
-    """Sum, sum of squares and sum of absolute values of BF16 values: each the correctly
-    rounded float64 of the exact result (see pagedkv.exact_sum for non-finite inputs)."""
-
-    sum: float
-    ssq: float
-    sabs: float
 
 
 @dataclass

@@ -32,11 +32,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .cache import PagedKvCache
-from .capabilities import backend_supports, device_kind
-from .errors import KvCacheError, PagedKvError
-from .log import get_logger
-from .validate import block_list
+from ..cache.paged_cache import PagedKvCache
+from ..backends.capabilities import backend_supports, device_kind
+from ..errors import KvCacheError, PagedKvError
+from ..core.log import get_logger
+from ..core.validate import block_list
 
 _log = get_logger("transfer")
 

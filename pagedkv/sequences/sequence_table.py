@@ -25,16 +25,16 @@ from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend
-from .cache import PagedKvCache
-from .errors import KvCacheError
-from .guard import ThreadGuard
-from .log import get_logger
+from ..backends.protocol import DevicePtr, GpuBackend
+from ..cache.paged_cache import PagedKvCache
+from ..errors import KvCacheError
+from ..core.guard import ThreadGuard
+from ..core.log import get_logger
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
-from .streams import stream_handle
-from .teardown import free_each
-from .validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
-from .views import DeviceArrayPtr, export_dlpack, export_dlpack_device
+from ..core.streams import stream_handle
+from ..core.teardown import free_each
+from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
+from ..interop.views import DeviceArrayPtr, export_dlpack, export_dlpack_device
 
 _log = get_logger("sequence_table")
 
