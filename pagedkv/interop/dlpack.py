@@ -168,16 +168,30 @@ def _release(address: int) -> None:
     _LIVE.pop(address, None)
 
 
+def _forever(thunk):
+    """Keep a C callback's thunk alive for the life of the process: capsules and consumers
+    call it by its raw address, possibly while the interpreter tears this module down at
+    exit (a freed thunk there is a segfault)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
+    return thunk
+
+
+@_forever
 @_Deleter
-def _deleter(address):  # the consumer is done with the tensor
-    _release(address)
+def _deleter(address, _live=_LIVE):  # the consumer is done with the tensor
+    _live.pop(address, None)  # defaults, not globals: at exit the module's globals may be gone
 
 
+@_forever
 @_Destructor
-def _destructor(capsule):  # a capsule dies; unconsumed ones still own their tensor
-    for name in (_LEGACY_NAME, _VERSIONED_NAME):
-        if _capsule_is_valid(capsule, name):
-            _release(_capsule_pointer(capsule, name))
+def _destructor(capsule, _names=(_LEGACY_NAME, _VERSIONED_NAME), _valid=_capsule_is_valid,
+                _pointer=_capsule_pointer, _live=_LIVE):  # a capsule dies; unconsumed ones still own their tensor
+    try:
+        for name in _names:
+            if _valid(capsule, name):
+                _live.pop(_pointer(capsule, name), None)
+    except BaseException:  # noqa: BLE001 - a destructor has no caller to raise to
+        pass
 
 
 def make_capsule(spec: TensorSpec, versioned: bool, copied: bool = False, minor: int = DLPACK_VERSION[1]):
