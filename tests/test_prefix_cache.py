@@ -301,7 +301,7 @@ def test_released_blocks_stay_evictable_after_many_cycles(gpu):
         cache.free_blocks(held_by_caller(cache, [i] * 4, prefix))
     for _ in range(500):  # every release pushes a heap entry; the heap must stay bounded
         cache.free_blocks(prefix.match([1] * 4).blocks)
-    assert len(prefix._heap) <= 2 * 4 + 65
+    assert len(prefix._policy._heap) <= 2 * 4 + 65
     assert prefix.evict(4) == [0, 2, 3, 1]
 
 

@@ -110,7 +110,7 @@ def test_hashes_are_unchanged_and_survive_a_round_trip_through_the_host_tier(hos
     try:
         world.cached_prompt("a", PROMPT)
         world.cache.free_blocks(world.squeeze(6))
-        assert sorted(world.prefix._by_host[h].hash for h in world.tier.lru_blocks()) == sorted(_hashes(PROMPT, 3))
+        assert sorted(world.prefix._tiering.by_host[h].hash for h in world.tier.lru_blocks()) == sorted(_hashes(PROMPT, 3))
         world.table.add("b", PROMPT)
         assert [world.prefix.block_hash(b) for b in world.table.blocks("b")[:3]] == _hashes(PROMPT, 3)
     finally:
@@ -191,7 +191,7 @@ def test_a_promotion_without_device_blocks_changes_nothing(world):
         world.table.add("b", PROMPT)
     assert "b" not in world.table
     assert before == (world.prefix.stats(), world.tier.lru_blocks(), world.cache.num_free_blocks(), world.events)
-    assert world.prefix._pinned == set()
+    assert world.prefix._tiering._pinned == set()
     world.cache.free_blocks(held)
     assert world.table.add("b", PROMPT) == 12
     world.table.check_invariants()
@@ -224,7 +224,7 @@ def test_a_promotion_whose_swap_event_cannot_be_polled_changes_nothing(world, mo
     monkeypatch.setattr(world.gpu, "event_done", refused)
     with pytest.raises(RuntimeError, match="planted query failure"):
         world.table.add("b", PROMPT)
-    assert "b" not in world.table and world.prefix._pinned == set()
+    assert "b" not in world.table and world.prefix._tiering._pinned == set()
     assert before == (world.prefix.stats(), world.tier.lru_blocks(), world.tier.num_free_blocks(),
                       world.cache.num_free_blocks(), world.events)
     world.table.check_invariants()

@@ -402,7 +402,7 @@ def test_release_without_a_backend_forgets_nothing(gpu):
     table = SequenceTable(cache, gpu=gpu)
     table.add("a", [1])
     table.block_table(["a"])
-    table._gpu = None  # a table whose backend the engine passes at release time
+    table._exports._gpu = None  # buffers whose backend the engine passes at release time
     with pytest.raises(ValueError, match="release needs the backend that holds the table's 1 export buffer"):
         table.release()
     table.release(gpu)

@@ -9,6 +9,7 @@ calling back), and `depth` says how deep it is.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from ..errors import KvCacheError
@@ -67,3 +68,22 @@ class ThreadGuard:
             f"{self.name} is in use by another thread: use it (and its PrefixCache and "
             "SequenceTables) from one thread at a time, or serialise the calls with a lock"
         )
+
+
+def guarded(method):
+    """Decorate a method of an object holding a `ThreadGuard` as `_guard`: the method runs
+    with the guard entered (ConcurrentUseError, nothing changed, when another thread is
+    inside), then `self._deliver()` runs outside it (events the call queued)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        guard = self._guard
+        guard.enter()
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            guard.exit()
+        self._deliver()
+        return result
+
+    return run

@@ -19,85 +19,22 @@ prefix cache over a host tier, `add` promotes the host-resident part of its matc
 
 from __future__ import annotations
 
-import functools
 from threading import get_ident
-from typing import Hashable, Iterable, NamedTuple, Sequence
+from typing import Hashable, Iterable, Sequence
 
-import numpy as np
-
-from ..backends.protocol import DevicePtr, GpuBackend
+from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import PagedKvCache
-from ..errors import KvCacheError
-from ..core.guard import ThreadGuard
-from ..core.log import get_logger
-from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
+from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.teardown import free_each
 from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
-from ..interop.views import DeviceArrayPtr, export_dlpack, export_dlpack_device
+from ..errors import KvCacheError
+from .exports import ExportBuffers, Exported, PageTable, block_table_of, page_table_of, slot_mapping_of
+from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
+from .reuse import PrefixReuse
 
-_log = get_logger("sequence_table")
+__all__ = ["Exported", "PageTable", "SequenceTable"]
 
-_ALIGN = 16  # bytes between arrays packed into one upload
 _MAX_TOKEN_ID = MAX_TOKEN_ID
-
-
-class PageTable(NamedTuple):
-    """The CSR block lists of paged-attention kernels (FlashInfer's `paged_kv_indptr`,
-    `paged_kv_indices`, `paged_kv_last_page_len`): sequence i's blocks are
-    `indices[indptr[i]:indptr[i+1]]`; `last_page_len[i]` tokens fill its last block."""
-
-    indptr: np.ndarray
-    indices: np.ndarray
-    last_page_len: np.ndarray
-
-
-class Exported(NamedTuple):
-    """An export for kernels: `host` (a numpy array, or a PageTable of arrays) and, when the
-    table has a backend, `device` (a DevicePtr, or a PageTable of DevicePtrs) into a buffer
-    the table owns and overwrites on the next export of the same kind; else None.
-    A single-array export is a DLPack producer of `device` when there is one, else of
-    `host`; each device pointer is one too (`pagedkv.views.DeviceArrayPtr`).
-
-    `np.asarray(export)` is the host array (what `write_tokens`/`read_tokens` take as
-    slots); a page table's parts are `export.indptr`, `.indices` and `.last_page_len`, each
-    an Exported of one array."""
-
-    host: object
-    device: object
-
-    __dlpack__ = export_dlpack
-    __dlpack_device__ = export_dlpack_device
-
-    def __array__(self, dtype=None, copy=None):
-        """The host array (numpy's conversion protocol); a page-table export raises TypeError."""
-        if isinstance(self.host, PageTable):
-            raise TypeError(
-                "a page-table export holds three arrays: take np.asarray(export.indptr), "
-                "export.indices or export.last_page_len"
-            )
-        arr = np.asarray(self.host, dtype=dtype)
-        return arr.copy() if copy else arr
-
-    def _part(self, index: int) -> "Exported":
-        if not isinstance(self.host, PageTable):
-            raise AttributeError(f"only a page-table export has parts, this one holds {type(self.host).__name__}")
-        return Exported(self.host[index], None if self.device is None else self.device[index])
-
-    @property
-    def indptr(self) -> "Exported":
-        """A page-table export's `indptr` (host array and device pointer)."""
-        return self._part(0)
-
-    @property
-    def indices(self) -> "Exported":
-        """A page-table export's `indices` (host array and device pointer)."""
-        return self._part(1)
-
-    @property
-    def last_page_len(self) -> "Exported":
-        """A page-table export's `last_page_len` (host array and device pointer)."""
-        return self._part(2)
 
 
 def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int] | None]:
@@ -114,23 +51,6 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
     if type(n_tokens) is not int or n_tokens < 0:  # type: ignore[operator]
         n_tokens = non_negative_int(n_tokens, "n_tokens")
     return n_tokens, token_ids  # type: ignore[return-value]
-
-
-def _guarded(method):
-    """Run `method` inside the table's thread guard, then deliver the prefix cache's events."""
-
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        guard = self._guard
-        guard.enter()
-        try:
-            result = method(self, *args, **kwargs)
-        finally:
-            guard.exit()
-        self._deliver()
-        return result
-
-    return run
 
 
 class _Seq:
@@ -195,19 +115,19 @@ class SequenceTable:
         self._window = cache.config().cache_blocks_per_seq
         self._seqs: dict[Hashable, _Seq] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self._buffers: dict[str, tuple[DevicePtr, int]] = {}
-        self._stale: list[DevicePtr] = []  # replaced export buffers whose free failed
+        self._exports = ExportBuffers(gpu, stream)
+        self._reuse = PrefixReuse(prefix_cache, gpu, stream) if prefix_cache is not None else None
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
         self._guard_token = self._guard.token  # the guard's claim list, for append's inline claim
 
     def _deliver(self) -> None:
         prefix = self._prefix
-        if prefix is not None and prefix._events:
+        if prefix is not None and prefix._events.pending:
             prefix.deliver_events()
 
     # -- lifecycle of a sequence -------------------------------------------------------
 
-    @_guarded
+    @guarded
     def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
         """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
         the prefix cache (whole blocks; never the last prompt token, which the engine must
@@ -237,40 +157,31 @@ class SequenceTable:
                 f"prompt of {n} tokens needs {needed} blocks but the window holds {self._window}"
             )
         adapter_id = adapter_id_checked(adapter_id)
-        found = PrefixMatch([], 0)
-        prefix = self._prefix
-        if prefix is not None and n > 1:
-            found = prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
+        reuse = self._reuse
+        found = reuse.reserve(data, n, adapter_id) if reuse is not None else PrefixMatch([], 0)
         blocks, matched = found
         hosted = len(found.host_blocks)  # host-tier blocks to promote into fresh device blocks
-        if hosted:
-            prefix._pin(found)
         try:
             fresh = self._cache.alloc_blocks(needed - len(blocks))
         except BaseException:
-            self._prefix_cancel(found)
+            if reuse is not None:
+                reuse.cancel(found)
             raise
         try:
             self._init(fresh[hosted:])
             if hosted:
-                prefix._promote(found, fresh[:hosted], self._gpu, self._stream if self._gpu is not None
-                                else prefix._swap_stream, wait=self._gpu is None)
+                reuse.promote(found, fresh)
         except BaseException:
             self._cache.free_blocks(fresh)
-            self._prefix_cancel(found)
+            if reuse is not None:
+                reuse.cancel(found)
             raise
-        if prefix is not None and n > 1:
-            prefix._confirm_checked(n - 1, found)
+        if reuse is not None:
+            reuse.confirm(n, found)
         matched += hosted * self._bs
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         seq.settle(self._bs)
         return matched
-
-    def _prefix_cancel(self, found: PrefixMatch) -> None:
-        if self._prefix is not None:
-            self._prefix._unpin(found)
-            if found.blocks:
-                self._prefix._cancel_checked(found)
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
@@ -426,7 +337,7 @@ class SequenceTable:
         seq.step_start = old
         seq.settle(bs)
 
-    @_guarded
+    @guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start `dst` as a copy of `src` sharing every block (one more reference each); the
         first write of either into a shared, partly filled last block copies it first."""
@@ -442,7 +353,7 @@ class SequenceTable:
         child.settle(self._bs)
         self._seqs[dst] = child
 
-    @_guarded
+    @guarded
     def free(self, seq_id: Hashable) -> None:
         """End a sequence: offer its full, fully known blocks to the prefix cache (when
         there is one, it is not closed and the window dropped nothing), then drop its
@@ -451,29 +362,22 @@ class SequenceTable:
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
         try:
-            self._offer(seq)
+            if self._reuse is not None:
+                self._reuse.offer(seq, self._bs)
         finally:
             self._cache.free_blocks(seq.blocks)
 
-    @_guarded
+    @guarded
     def cache_prefix(self, seq_id: Hashable) -> int:
         """Offer a live sequence's full, fully known blocks to the prefix cache now (call it
         once their KV is written, so other requests can share them before this one ends);
         returns how many blocks were newly cached. KvCacheError when the prefix cache is
         closed."""
         seq = self._get(seq_id)
-        if self._prefix is not None:
-            self._prefix._check_open("cache_prefix")
-        return self._offer(seq)
-
-    def _offer(self, seq: _Seq) -> int:
-        prefix = self._prefix
-        if prefix is None or prefix._closed or seq.dropped:
+        if self._reuse is None:
             return 0
-        full = min(len(seq.tokens), seq.num_tokens) // self._bs
-        if not full:
-            return 0
-        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True)
+        self._prefix._check_open("cache_prefix")
+        return self._reuse.offer(seq, self._bs)
 
     def _init(self, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -485,7 +389,7 @@ class SequenceTable:
         else:
             self._pending_copies.append((src, dst))
 
-    @_guarded
+    @guarded
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write `(src, dst)` pairs a table without a backend could not perform;
         the engine must copy them (e.g. `cache.copy_blocks`) before it writes the step and
@@ -532,7 +436,7 @@ class SequenceTable:
                 refs[block] = refs.get(block, 0) + 1
         return refs
 
-    @_guarded
+    @guarded
     def check_invariants(self) -> None:
         """Check the cache's invariants, the prefix cache's, and that every block's count
         equals the references this table and its prefix cache hold (assumes they are the
@@ -571,19 +475,15 @@ class SequenceTable:
                 seen.add(id(seq))
         return seqs
 
-    @_guarded
+    @guarded
     def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
         with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`). The export
         is a DLPack producer: of the device buffer with a backend, else of the host array."""
-        seqs = self._seq_list(seq_ids)
-        width = max((len(s.blocks) for s in seqs), default=0)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for row, seq in enumerate(seqs):
-            table[row, : len(seq.blocks)] = seq.blocks
-        return Exported(table, self._upload("block_table", [table]))
+        table = block_table_of(self._seq_list(seq_ids))
+        return Exported(table, self._exports.upload("block_table", [table]))
 
-    @_guarded
+    @guarded
     def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
         """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks.
 
@@ -598,22 +498,11 @@ class SequenceTable:
 
         With a backend, `device` is a PageTable of DLPack producers (kDLCPU on HostBackend,
         kDLCUDA on CudaBackend); without one, `host` holds numpy arrays (DLPack producers too)."""
-        seqs = self._seq_list(seq_ids)
-        lengths = np.fromiter((len(s.blocks) for s in seqs), dtype=np.int32, count=len(seqs))
-        indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=indptr[1:])
-        indices = np.fromiter((b for s in seqs for b in s.blocks), dtype=np.int32, count=int(indptr[-1]))
-        bs = self._bs
-        last = np.fromiter(
-            (s.num_tokens - (s.dropped + len(s.blocks) - 1) * bs if s.blocks else 0 for s in seqs),
-            dtype=np.int32,
-            count=len(seqs),
-        )
-        host = PageTable(indptr, indices, last)
-        device = self._upload("page_table", list(host))
+        host = page_table_of(self._seq_list(seq_ids), self._bs)
+        device = self._exports.upload("page_table", list(host))
         return Exported(host, None if device is None else PageTable(*device))
 
-    @_guarded
+    @guarded
     def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
         """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
         `add` or `append` introduced (for `add`, those after the prefix-cache match),
@@ -633,53 +522,8 @@ class SequenceTable:
             limit = self._cache.num_blocks() * bs
             if pad_to > limit:
                 raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
-        out: list[int] = []
-        for seq in self._seq_list(seq_ids):
-            blocks, dropped = seq.blocks, seq.dropped
-            if seq.num_tokens - seq.step_start <= 16:
-                out.extend(blocks[p // bs - dropped] * bs + p % bs for p in range(seq.step_start, seq.num_tokens))
-            else:
-                positions = np.arange(seq.step_start, seq.num_tokens, dtype=np.int64)
-                held = np.asarray(blocks, dtype=np.int64)
-                out.extend((held[positions // bs - dropped] * bs + positions % bs).tolist())
-        slots = np.array(out, dtype=np.int64)
-        if pad_to is not None:
-            if pad_to < slots.size:
-                raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
-            slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
-        return Exported(slots, self._upload("slot_mapping", [slots]))
-
-    def _upload(self, kind: str, arrays: list[np.ndarray]):
-        """Pack `arrays` into one host buffer and copy it to this kind's device buffer in one
-        copy; the DevicePtr of each array (one, or a list), or None without a backend."""
-        if self._gpu is None:
-            return None
-        offsets, total = [], 0
-        for arr in arrays:
-            offsets.append(total)
-            total += -(-arr.nbytes // _ALIGN) * _ALIGN
-        staging = np.zeros(max(total, _ALIGN), dtype=np.uint8)
-        for arr, offset in zip(arrays, offsets):
-            staging[offset : offset + arr.nbytes] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
-        base = self._device_buffer(kind, staging.nbytes)
-        self._gpu.copy_h2d(staging, base)
-        ptrs = [DeviceArrayPtr(base.offset(o), arr, self._gpu, self._stream) for arr, o in zip(arrays, offsets)]
-        return ptrs[0] if len(ptrs) == 1 else ptrs
-
-    def _device_buffer(self, kind: str, nbytes: int) -> DevicePtr:
-        current = self._buffers.get(kind)
-        if current is not None and current[1] >= nbytes:
-            return current[0]
-        size = max(nbytes, 2 * current[1] if current else 4096)
-        ptr = self._gpu.alloc(size)
-        self._buffers[kind] = (ptr, size)  # recorded before the old one is freed
-        if current is not None:
-            try:
-                self._gpu.free(current[0])
-            except Exception as err:  # noqa: BLE001 - the export goes on; release retries the free
-                self._stale.append(current[0])
-                _log.error("sequence_table_buffer_free_failed", error=str(err))
-        return ptr
+        slots = slot_mapping_of(self._seq_list(seq_ids), bs, pad_to)
+        return Exported(slots, self._exports.upload("slot_mapping", [slots]))
 
     # -- release -----------------------------------------------------------------------
 
@@ -687,24 +531,10 @@ class SequenceTable:
         """A short name for teardown messages."""
         return f"SequenceTable({len(self._seqs)} sequences)"
 
-    @_guarded
+    @guarded
     def release(self, gpu: GpuBackend | None = None) -> None:
         """Free the export buffers on the table's backend (`gpu` if it has none); the
         sequences and their blocks stay. Every buffer is attempted and the first error
         raised; a buffer whose free failed stays recorded, so another call retries it.
         Once all are freed a further call does nothing."""
-        pending = [ptr for ptr, _ in self._buffers.values()] + self._stale
-        if not pending:
-            return
-        if gpu is not None and self._gpu is not None and gpu is not self._gpu:
-            raise KvCacheError(
-                f"release with {type(gpu).__name__} {gpu!r:.60}, but the table's export buffers are on "
-                f"{type(self._gpu).__name__} {self._gpu!r:.60}"
-            )
-        backend = self._gpu or gpu
-        if backend is None:
-            raise ValueError(f"release needs the backend that holds the table's {len(pending)} export buffer(s)")
-        self._buffers = {}
-        self._stale, first = free_each(pending, backend.free, _log, "sequence_table_buffer_free_failed")
-        if first is not None:
-            raise first
+        self._exports.release(gpu)

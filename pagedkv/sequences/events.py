@@ -1,0 +1,103 @@
+"""The prefix cache's KV events and the queue that delivers them.
+
+Events are queued while an operation runs and handed to the consumer only once it is
+complete (never from inside it): `EventQueue.deliver` runs at the end of a public call of
+the prefix cache or a table on it, or after an allocation that evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence, Union
+
+from ..core.guard import ThreadGuard
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks newly cached along one chain: `block_hashes[i]` holds `token_ids[i*block_size:
+    (i+1)*block_size]`; `parent_block_hash` is None when the first one starts a prompt."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_size: int
+    adapter_id: int
+    kind: str = "stored"
+    medium: str = "GPU"
+    """Where the blocks now live: "GPU" (device blocks) or "CPU" (host-tier blocks)."""
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks that left one tier (their hashes, and the block ids freed there): evicted or
+    demoted from the device ("GPU"), dropped or promoted from the host tier ("CPU")."""
+
+    block_hashes: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    kind: str = "removed"
+    medium: str = "GPU"
+    """The tier the blocks left: "GPU" or "CPU"."""
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached block was dropped by `clear()`."""
+
+    kind: str = "cleared"
+
+
+PrefixCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def stored(nodes: Sequence, token_ids: Iterable[int], block_ids: Iterable[int], block_size: int,
+           medium: str = "GPU") -> BlockStored:
+    """The BlockStored of `nodes`, a chain of tree nodes (parent first) now held in
+    `block_ids` of `medium`; the parent hash is None when the chain starts at a root."""
+    parent = nodes[0].parent
+    return BlockStored(
+        block_hashes=tuple(n.hash for n in nodes),
+        parent_block_hash=None if parent.block == -1 else parent.hash,
+        token_ids=tuple(token_ids),
+        block_ids=tuple(block_ids),
+        block_size=block_size,
+        adapter_id=nodes[0].adapter_id,
+        medium=medium,
+    )
+
+
+class EventQueue:
+    """Events waiting for `consumer` (None: no consumer, and callers build no events; check
+    `consumer is not None` before making one). `pending` is the queue, oldest first."""
+
+    __slots__ = ("consumer", "pending", "_delivering", "_guard")
+
+    def __init__(self, consumer: Callable[[PrefixCacheEvent], None] | None, guard: ThreadGuard):
+        self.consumer = consumer
+        self.pending: collections.deque = collections.deque()
+        self._delivering = False
+        self._guard = guard
+
+    def emit(self, event: PrefixCacheEvent) -> None:
+        """Queue `event` for the next delivery."""
+        self.pending.append(event)
+
+    def deliver(self) -> None:
+        """Hand queued events to the consumer, oldest first. Does nothing while this thread
+        is inside a guarded call (that call delivers when done), or while a delivery is
+        already running (it goes on to the new events). If the consumer raises, the raising
+        event is consumed and later ones stay queued."""
+        events = self.pending
+        if not events or self._delivering or self._guard.inside():
+            return
+        guard = self._guard
+        guard.enter()
+        self._delivering = True
+        guard.exit()
+        try:
+            while events:
+                self.consumer(events.popleft())  # type: ignore[misc]
+        finally:
+            self._delivering = False

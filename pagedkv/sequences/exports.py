@@ -1,0 +1,190 @@
+"""The sequence table's exports for attention kernels: block tables, CSR page tables and
+slot mappings of a batch of sequences, as host arrays, and their device copies in buffers
+the table owns (`ExportBuffers`).
+
+Each builder takes the batch's sequence records (`blocks`, `num_tokens`, `dropped`,
+`step_start`) in batch order; `SequenceTable` checks the ids and wraps the results in
+`Exported`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from ..backends.protocol import DevicePtr, GpuBackend
+from ..core.log import get_logger
+from ..core.teardown import free_each
+from ..errors import KvCacheError
+from ..interop.views import DeviceArrayPtr, export_dlpack, export_dlpack_device
+
+_log = get_logger("sequence_table")
+
+_ALIGN = 16  # bytes between arrays packed into one upload
+
+
+class PageTable(NamedTuple):
+    """The CSR block lists of paged-attention kernels (FlashInfer's `paged_kv_indptr`,
+    `paged_kv_indices`, `paged_kv_last_page_len`): sequence i's blocks are
+    `indices[indptr[i]:indptr[i+1]]`; `last_page_len[i]` tokens fill its last block."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+
+
+class Exported(NamedTuple):
+    """An export for kernels: `host` (a numpy array, or a PageTable of arrays) and, when the
+    table has a backend, `device` (a DevicePtr, or a PageTable of DevicePtrs) into a buffer
+    the table owns and overwrites on the next export of the same kind; else None.
+    A single-array export is a DLPack producer of `device` when there is one, else of
+    `host`; each device pointer is one too (`pagedkv.views.DeviceArrayPtr`).
+
+    `np.asarray(export)` is the host array (what `write_tokens`/`read_tokens` take as
+    slots); a page table's parts are `export.indptr`, `.indices` and `.last_page_len`, each
+    an Exported of one array."""
+
+    host: object
+    device: object
+
+    __dlpack__ = export_dlpack
+    __dlpack_device__ = export_dlpack_device
+
+    def __array__(self, dtype=None, copy=None):
+        """The host array (numpy's conversion protocol); a page-table export raises TypeError."""
+        if isinstance(self.host, PageTable):
+            raise TypeError(
+                "a page-table export holds three arrays: take np.asarray(export.indptr), "
+                "export.indices or export.last_page_len"
+            )
+        arr = np.asarray(self.host, dtype=dtype)
+        return arr.copy() if copy else arr
+
+    def _part(self, index: int) -> "Exported":
+        if not isinstance(self.host, PageTable):
+            raise AttributeError(f"only a page-table export has parts, this one holds {type(self.host).__name__}")
+        return Exported(self.host[index], None if self.device is None else self.device[index])
+
+    @property
+    def indptr(self) -> "Exported":
+        """A page-table export's `indptr` (host array and device pointer)."""
+        return self._part(0)
+
+    @property
+    def indices(self) -> "Exported":
+        """A page-table export's `indices` (host array and device pointer)."""
+        return self._part(1)
+
+    @property
+    def last_page_len(self) -> "Exported":
+        """A page-table export's `last_page_len` (host array and device pointer)."""
+        return self._part(2)
+
+
+def block_table_of(seqs: Sequence[Any]) -> np.ndarray:
+    """The `[len(seqs), max blocks]` int32 table of each sequence's held blocks, -1 padded."""
+    width = max((len(s.blocks) for s in seqs), default=0)
+    table = np.full((len(seqs), width), -1, dtype=np.int32)
+    for row, seq in enumerate(seqs):
+        table[row, : len(seq.blocks)] = seq.blocks
+    return table
+
+
+def page_table_of(seqs: Sequence[Any], block_size: int) -> PageTable:
+    """The int32 CSR triple of the held blocks (`SequenceTable.page_table` states the rule)."""
+    lengths = np.fromiter((len(s.blocks) for s in seqs), dtype=np.int32, count=len(seqs))
+    indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=indptr[1:])
+    indices = np.fromiter((b for s in seqs for b in s.blocks), dtype=np.int32, count=int(indptr[-1]))
+    last = np.fromiter(
+        (s.num_tokens - (s.dropped + len(s.blocks) - 1) * block_size if s.blocks else 0 for s in seqs),
+        dtype=np.int32,
+        count=len(seqs),
+    )
+    return PageTable(indptr, indices, last)
+
+
+def slot_mapping_of(seqs: Sequence[Any], block_size: int, pad_to: int | None) -> np.ndarray:
+    """int64 slots of the positions each sequence's latest step introduced, in batch
+    order, -1 padded to `pad_to` (already checked against the cache's slot count)."""
+    bs = block_size
+    out: list[int] = []
+    for seq in seqs:
+        blocks, dropped = seq.blocks, seq.dropped
+        if seq.num_tokens - seq.step_start <= 16:
+            out.extend(blocks[p // bs - dropped] * bs + p % bs for p in range(seq.step_start, seq.num_tokens))
+        else:
+            positions = np.arange(seq.step_start, seq.num_tokens, dtype=np.int64)
+            held = np.asarray(blocks, dtype=np.int64)
+            out.extend((held[positions // bs - dropped] * bs + positions % bs).tolist())
+    slots = np.array(out, dtype=np.int64)
+    if pad_to is not None:
+        if pad_to < slots.size:
+            raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
+        slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
+    return slots
+
+
+class ExportBuffers:
+    """One device buffer per kind of export on `gpu` (None: no backend, nothing uploaded),
+    grown when an export outgrows it; `upload` packs the arrays of one export and copies
+    them in ONE copy, ordered on `stream` for DLPack consumers."""
+
+    def __init__(self, gpu: GpuBackend | None, stream: object):
+        self._gpu = gpu
+        self._stream = stream
+        self._buffers: dict[str, tuple[DevicePtr, int]] = {}
+        self._stale: list[DevicePtr] = []  # replaced buffers whose free failed
+
+    def upload(self, kind: str, arrays: list[np.ndarray]):
+        """Pack `arrays` into one host buffer and copy it to this kind's device buffer in one
+        copy; the DevicePtr of each array (one, or a list), or None without a backend."""
+        if self._gpu is None:
+            return None
+        offsets, total = [], 0
+        for arr in arrays:
+            offsets.append(total)
+            total += -(-arr.nbytes // _ALIGN) * _ALIGN
+        staging = np.zeros(max(total, _ALIGN), dtype=np.uint8)
+        for arr, offset in zip(arrays, offsets):
+            staging[offset : offset + arr.nbytes] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        base = self._device_buffer(kind, staging.nbytes)
+        self._gpu.copy_h2d(staging, base)
+        ptrs = [DeviceArrayPtr(base.offset(o), arr, self._gpu, self._stream) for arr, o in zip(arrays, offsets)]
+        return ptrs[0] if len(ptrs) == 1 else ptrs
+
+    def _device_buffer(self, kind: str, nbytes: int) -> DevicePtr:
+        current = self._buffers.get(kind)
+        if current is not None and current[1] >= nbytes:
+            return current[0]
+        size = max(nbytes, 2 * current[1] if current else 4096)
+        ptr = self._gpu.alloc(size)
+        self._buffers[kind] = (ptr, size)  # recorded before the old one is freed
+        if current is not None:
+            try:
+                self._gpu.free(current[0])
+            except Exception as err:  # noqa: BLE001 - the export goes on; release retries the free
+                self._stale.append(current[0])
+                _log.error("sequence_table_buffer_free_failed", error=str(err))
+        return ptr
+
+    def release(self, gpu: GpuBackend | None) -> None:
+        """Free every buffer on the table's backend (`gpu` if it has none): each attempted,
+        the first error raised, a buffer whose free failed kept for the next call. Once
+        all are freed a further call does nothing."""
+        pending = [ptr for ptr, _ in self._buffers.values()] + self._stale
+        if not pending:
+            return
+        if gpu is not None and self._gpu is not None and gpu is not self._gpu:
+            raise KvCacheError(
+                f"release with {type(gpu).__name__} {gpu!r:.60}, but the table's export buffers are on "
+                f"{type(self._gpu).__name__} {self._gpu!r:.60}"
+            )
+        backend = self._gpu or gpu
+        if backend is None:
+            raise ValueError(f"release needs the backend that holds the table's {len(pending)} export buffer(s)")
+        self._buffers = {}
+        self._stale, first = free_each(pending, backend.free, _log, "sequence_table_buffer_free_failed")
+        if first is not None:
+            raise first

@@ -1,0 +1,65 @@
+"""The prefix cache's counters and the `PrefixCacheStats` snapshot of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters since construction: match calls, tokens asked and found (`hit_tokens`, over
+    both tiers), the hit rate (hit / queried tokens, 0.0 before any query), device blocks
+    now cached, device blocks evicted (demoted or dropped); per tier: tokens found in device
+    blocks and in host blocks, host blocks now cached, blocks demoted to the host tier,
+    promoted back, and dropped from it."""
+
+    queries: int
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_blocks: int
+    evictions: int
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_cached_blocks: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    host_evictions: int = 0
+
+
+class PrefixCounters:
+    """What a prefix cache has done since it was made; the parts (eviction, tiering) add
+    to the fields they own. They outlive a released host tier."""
+
+    __slots__ = ("queries", "queried_tokens", "device_hits", "host_hits", "evictions", "demotions", "promotions",
+                 "host_drops")
+
+    def __init__(self):
+        self.queries = self.queried_tokens = self.device_hits = self.host_hits = 0
+        self.evictions = self.demotions = self.promotions = self.host_drops = 0
+
+    def count_query(self, queried_tokens: int, device_hits: int, host_hits: int = 0) -> None:
+        """One lookup of `queried_tokens` tokens that found `device_hits` tokens in device
+        blocks and `host_hits` more in host blocks."""
+        self.queries += 1
+        self.queried_tokens += queried_tokens
+        self.device_hits += device_hits
+        self.host_hits += host_hits
+
+    def snapshot(self, cached_blocks: int, host_cached_blocks: int) -> PrefixCacheStats:
+        """The counters as a PrefixCacheStats, with the current block counts."""
+        hits = self.device_hits + self.host_hits
+        return PrefixCacheStats(
+            queries=self.queries,
+            queried_tokens=self.queried_tokens,
+            hit_tokens=hits,
+            hit_rate=hits / self.queried_tokens if self.queried_tokens else 0.0,
+            cached_blocks=cached_blocks,
+            evictions=self.evictions,
+            device_hit_tokens=self.device_hits,
+            host_hit_tokens=self.host_hits,
+            host_cached_blocks=host_cached_blocks,
+            demotions=self.demotions,
+            promotions=self.promotions,
+            host_evictions=self.host_drops,
+        )

@@ -1,0 +1,196 @@
+"""The prefix cache's radix tree of whole blocks, one root per adapter, and its walk.
+
+Each node holds one block of `block_size` tokens; its children are keyed by their exact
+tokens (int64 little-endian bytes, `hashing.int64_bytes`), and it carries the chained hash
+of its chain (`hashing`). The tree knows where a node's KV is only as data: `block` is the
+device block (-1 for a root; None once the node left the device) and `lower` an opaque id
+the tiering part keeps for a node that lives in a lower tier. Recency (`last_used`) belongs
+to the eviction policy. Nothing here takes references or emits events.
+
+Invariants (checked by `check`): every node holds exactly `block_size` tokens under its own
+key in its parent; `n_dev` counts the children on the device; a node's hash is
+`chain_hash(parent hash, tokens)`, a root's `root_hash(adapter_id)`; `by_block` indexes
+exactly the nodes on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..core.validate import non_negative_int
+from ..errors import KvCacheError, RefCountError
+from .hashing import HASH_START, chain_digest, int64_bytes, root_hash
+
+
+def adapter_id_checked(adapter_id: object) -> int:
+    """`adapter_id` if it is a non-negative int (0 = base model), else ValueError naming it."""
+    return non_negative_int(adapter_id, "adapter_id")
+
+
+class Node:
+    """One cached block of the tree (or a root, `block == -1`)."""
+
+    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev")
+
+    def __init__(self, key: bytes, block: int, hash_: int, parent: "Node | None", adapter_id: int):
+        self.key = key  # the block's tokens as int64 little-endian bytes (exact, not a hash)
+        self.block = block  # the device block; -1 for a root; None once it left the device
+        self.lower = None  # the tiering part's id for a node living in a lower tier
+        self.n_dev = 0  # children on the device
+        self.hash = hash_
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.last_used = 0
+        self.adapter_id = adapter_id
+
+
+class RadixTree:
+    """The nodes of one prefix cache: `roots` (adapter id -> root) and `by_block` (device
+    block -> node)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.key_type = np.dtype(f"V{8 * block_size}")  # a block's key: its int64 token bytes
+        self.roots: dict[int, Node] = {}
+        self.by_block: dict[int, Node] = {}
+
+    def walk(self, tokens: list[int], n: int, adapter_id: int) -> list[Node]:
+        """The cached nodes along the whole blocks of `tokens[:n]` (valid ids)."""
+        if n < self.block_size or adapter_id not in self.roots:
+            return []
+        return self.walk_bytes(int64_bytes(tokens[: n - n % self.block_size]), adapter_id)
+
+    def walk_bytes(self, data: bytes, adapter_id: int) -> list[Node]:
+        """The cached nodes along the whole blocks of `data` (int64 token bytes)."""
+        node = self.roots.get(adapter_id)
+        path: list[Node] = []
+        if node is not None:
+            key_type = self.key_type
+            for key in np.frombuffer(data, key_type, len(data) // key_type.itemsize).tolist():  # one bytes per block
+                node = node.children.get(key)
+                if node is None:
+                    break
+                path.append(node)
+        return path
+
+    def follow(self, node: Node, tokens: list[int], blocks: list[int], n_full: int,
+               by_block: bool) -> tuple[Node, list[Node], bytes | None, int]:
+        """Walk down from `node` along the first `n_full` blocks of `tokens` (valid ids) as
+        far as the tree has them. With `by_block`, the caller vouches that `blocks[i]` holds
+        block i, so a cached block under the current node is followed without comparing
+        its tokens. Returns the last node reached, the nodes passed (in order), and the
+        tokens packed on the way as int64 bytes from block `base` on with `base` (None
+        and 0 when every step went through the index)."""
+        bs = self.block_size
+        step = 8 * bs
+        index, passed = self.by_block, []
+        data: bytes | None = None  # made when first needed
+        base = 0
+        while len(passed) < n_full:
+            i = len(passed)
+            child = index.get(blocks[i]) if by_block else None
+            if child is None or child.parent is not node:
+                if data is None:
+                    base = i
+                    data = int64_bytes(tokens[base * bs : n_full * bs])
+                at = (i - base) * step
+                child = node.children.get(data[at : at + step])
+                if child is None:
+                    break
+            passed.append(child)
+            node = child
+        return node, passed, data, base
+
+    def root(self, adapter_id: int) -> Node:
+        """The root of `adapter_id`'s blocks, made on first use."""
+        root = self.roots.get(adapter_id)
+        if root is None:
+            root = self.roots[adapter_id] = Node(b"", -1, root_hash(adapter_id), None, adapter_id)
+        return root
+
+    def extend(self, parent: Node, data: bytes, first: int, blocks: list[int]) -> list[Node]:
+        """New device nodes under `parent`, a chain: the i-th holds `blocks[i]` and the
+        tokens of block `first + i` of `data` (int64 bytes). Returns them, parent first."""
+        step = 8 * self.block_size
+        index, from_bytes, copy_start = self.by_block, int.from_bytes, HASH_START.copy
+        digest = parent.hash.to_bytes(8, "little")
+        parent.n_dev += 1  # the first new child; each later one is the previous one's child
+        made = []
+        adapter_id = parent.adapter_id
+        for offset, block in enumerate(blocks, first):
+            chunk = data[offset * step : (offset + 1) * step]
+            state = copy_start()
+            state.update(digest + chunk)
+            digest = state.digest()
+            child = Node(chunk, block, from_bytes(digest, "little"), parent, adapter_id)
+            child.n_dev = 1
+            parent.children[chunk] = child
+            index[block] = child
+            made.append(child)
+            parent = child
+        parent.n_dev = 0  # the last new node has no children
+        return made
+
+    def remove_leaf(self, node: Node) -> None:
+        """Take a device leaf out of the tree and the index (its block is None after)."""
+        parent = node.parent
+        del parent.children[node.key]
+        parent.n_dev -= 1
+        del self.by_block[node.block]
+        node.block = None
+
+    def leave_device(self, node: Node, lower: object) -> None:
+        """A device leaf stays in the tree but now lives in a lower tier under `lower`."""
+        node.parent.n_dev -= 1
+        del self.by_block[node.block]
+        node.block, node.lower = None, lower
+
+    def enter_device(self, node: Node, block: int) -> None:
+        """A node of a lower tier (whose parent is on the device) now lives in `block`."""
+        node.lower, node.block = None, block
+        self.by_block[block] = node
+        node.parent.n_dev += 1
+
+    def clear(self) -> None:
+        """Forget every node; the device ones' `block` becomes None (a reservation still
+        holding them sees they are gone). The tiering part resets its nodes' `lower`."""
+        for node in self.by_block.values():
+            node.block = None
+        self.roots.clear()
+        self.by_block.clear()
+
+    def check(self, ref_count: Callable[[int], int], check_lower: Callable[[Node], None]) -> int:
+        """Raise KvCacheError (RefCountError for a count of 0) where the structure breaks an
+        invariant of the module docstring; `check_lower(node)` checks each node off the
+        device. Returns the number of nodes."""
+        seen = 0
+        bs = self.block_size
+        for adapter_id, root in self.roots.items():
+            if root.hash != root_hash(adapter_id) or root.block != -1:
+                raise KvCacheError(f"root of adapter {adapter_id} is corrupt")
+            stack = [root]
+            while stack:
+                parent = stack.pop()
+                if parent.n_dev != sum(c.block is not None for c in parent.children.values()):
+                    raise KvCacheError(f"prefix tree node of block {parent.block} miscounts its device children")
+                for key, node in parent.children.items():
+                    seen += 1
+                    if node.parent is not parent or node.key != key or len(key) != 8 * bs:
+                        raise KvCacheError(f"prefix tree node for block {node.block} is misplaced")
+                    if node.adapter_id != adapter_id:
+                        raise KvCacheError(f"block {node.block} sits under adapter {adapter_id}'s root")
+                    if node.hash != int.from_bytes(chain_digest(parent.hash.to_bytes(8, "little"), key), "little"):
+                        raise KvCacheError(f"block {node.block} carries a wrong hash {node.hash:#x}")
+                    if node.block is None:
+                        check_lower(node)
+                    else:
+                        if parent.block is None:
+                            raise KvCacheError(f"device block {node.block} sits under a host-resident node")
+                        if self.by_block.get(node.block) is not node:
+                            raise KvCacheError(f"block {node.block} is in the tree but not indexed")
+                        if ref_count(node.block) < 1:
+                            raise RefCountError(f"cached block {node.block} has count 0")
+                    stack.append(node)
+        return seen
