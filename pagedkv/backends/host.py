@@ -13,6 +13,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..core.exact_sum import bf16_stats
+from ..core.streams import stream_handle
+from ..core.validate import positive_int
+from ..errors import DeviceMemoryError, DeviceOutOfMemory
+from .batch_ranges import as_ranges, check_overlaps
+from .capabilities import check_capability_name
+from .host_vmm import HostAddressSpace
 from .protocol import (
     Bf16Stats,
     BlockRegions,
@@ -25,13 +32,6 @@ from .protocol import (
     check_fill_byte,
     host_bytes,
 )
-from .batch_ranges import as_ranges, check_overlaps
-from .capabilities import check_capability_name
-from ..errors import DeviceMemoryError, DeviceOutOfMemory
-from ..core.exact_sum import bf16_stats
-from .host_vmm import HostAddressSpace
-from ..core.streams import stream_handle
-from ..core.validate import positive_int
 
 ALIGNMENT = 256
 """Every HostBackend allocation starts on a multiple of this many bytes."""

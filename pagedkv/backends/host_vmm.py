@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .protocol import DevicePtr
-from ..errors import DeviceMemoryError, DeviceOutOfMemory
 from ..core.validate import as_int, positive_int
+from ..errors import DeviceMemoryError, DeviceOutOfMemory
+from .protocol import DevicePtr
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..core.exact_sum import bf16_stats
 from .protocol import (
     Bf16Stats,
     BlockRegions,
@@ -24,7 +25,6 @@ from .protocol import (
     check_copy_pairs,
     check_fill_byte,
 )
-from ..core.exact_sum import bf16_stats
 
 
 class PerRangeBlockOps:

@@ -18,6 +18,10 @@ from typing import Any, Sequence
 
 import torch
 
+from ..core.streams import stream_handle
+from ..core.validate import positive_int
+from ..errors import DeviceMemoryError, DeviceOutOfMemory
+from .capabilities import check_capability_name
 from .protocol import (
     Bf16Stats,
     BlockRegions,
@@ -30,10 +34,6 @@ from .protocol import (
     check_fill_byte,
     host_bytes,
 )
-from .capabilities import check_capability_name
-from ..errors import DeviceMemoryError, DeviceOutOfMemory
-from ..core.streams import stream_handle
-from ..core.validate import positive_int
 
 ALIGNMENT = 256
 """Every allocation starts on a multiple of this many bytes."""

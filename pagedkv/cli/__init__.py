@@ -16,10 +16,10 @@ import sys
 
 import structlog
 
+from ..core.log import LEVELS
 from . import demo, plan, quality
 from .args import USAGE_ERROR, Parser, UsageError, say_error
 from .console import QuietClosedPipe, log_to_stderr
-from ..core.log import LEVELS
 
 
 def build_parser() -> Parser:

@@ -19,16 +19,16 @@ import ml_dtypes
 import numpy as np
 import structlog
 
-from ..backends.protocol import GpuBackend
 from ..backends.capabilities import backend_supports
+from ..backends.host import HostBackend, bf16_bytes_to_float64
+from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import POISON_BYTE, PagedKvCache
 from ..core.config import KvCacheConfig
+from ..core.teardown import Teardown
 from ..errors import DeviceOutOfMemory, PagedKvError
-from ..backends.host import HostBackend, bf16_bytes_to_float64
-from ..tiers.host_tier import HostTier
 from ..sequences.prefix_cache import PrefixCache
 from ..sequences.sequence_table import SequenceTable
-from ..core.teardown import Teardown
+from ..tiers.host_tier import HostTier
 from .args import UsageError, positive_int
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16

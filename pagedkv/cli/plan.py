@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from fractions import Fraction
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ..core.config import KvCacheConfig
 from ..core.dtype import KvCacheDtype

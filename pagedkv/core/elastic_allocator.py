@@ -18,8 +18,8 @@ import bisect
 import operator
 from typing import Iterable, Iterator, Protocol
 
-from .allocator import BlockAllocator, BlockReclaimer
 from ..errors import DeviceOutOfMemory, KvCacheError, KvCacheExhausted, RefCountError
+from .allocator import BlockAllocator, BlockReclaimer
 from .validate import non_negative_int, positive_int
 
 

@@ -23,11 +23,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..backends.protocol import DevicePtr
 from ..backends.capabilities import BackendFeatureMissing, backend_supports, device_kind, require
-from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, DlpackProducer, TensorSpec
+from ..backends.protocol import DevicePtr
 from ..core.dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
 from ..core.streams import stream_handle
+from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, DlpackProducer, TensorSpec
 
 NUMPY_DTYPES = {
     "uint8": np.dtype(np.uint8),

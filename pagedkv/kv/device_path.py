@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..interop.device_array import DeviceArray, from_dlpack
 from ..driver.kv_kernels import KvSideArgs
+from ..interop.device_array import DeviceArray, from_dlpack
 
 KDL_CPU = 1
 

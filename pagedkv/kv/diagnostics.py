@@ -21,8 +21,8 @@ from ..codecs import decode
 from ..core.dtype import KvCacheDtype, side_bytes
 from ..core.exact_sum import float_stats
 from ..core.log import get_logger
-from .pools import KvPools
 from ..core.validate import as_int, block_list
+from .pools import KvPools
 
 _log = get_logger("diagnostics")
 

@@ -13,13 +13,13 @@ views stay valid, and blocks `[0, resident_blocks())` are backed in every pool.
 
 from __future__ import annotations
 
-from ..backends.protocol import BlockRegions, DevicePtr, GpuBackend
 from ..backends.capabilities import require
+from ..backends.protocol import BlockRegions, DevicePtr, GpuBackend
 from ..core.config import MAX_NUM_BLOCKS, KvCacheConfig
-from ..errors import KvCacheError
 from ..core.log import get_logger
 from ..core.teardown import free_each
 from ..core.validate import block_index, positive_int
+from ..errors import KvCacheError
 
 _log = get_logger("pools")
 

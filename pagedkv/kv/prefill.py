@@ -17,9 +17,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import device_path as kv_device, rows as kv_rows
-from ..driver.kv_kernels import KvSideArgs
 from ..codecs.side import check_scale
+from ..driver.kv_kernels import KvSideArgs
+from . import device_path as kv_device
+from . import rows as kv_rows
 
 
 class LayerWritePlan:

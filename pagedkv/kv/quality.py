@@ -16,7 +16,6 @@ import numpy as np
 from ..codecs import decode, encode
 from ..core.dtype import KvCacheDtype
 
-
 SCORE_SPREAD = 2.0
 """Standard deviation over tokens of each synthetic query's attention scores."""
 

@@ -19,12 +19,12 @@ from typing import Callable
 
 import numpy as np
 
-from . import device_path as kv_device
 from ..backends.protocol import DevicePtr, GpuBackend
 from ..codecs import check_side_geometry, decode, encode
 from ..codecs.side import as_float32_values, check_scale, require_finite
 from ..core.dtype import KvCacheDtype, side_data_bytes, side_scale_bytes
 from ..core.log import get_logger
+from . import device_path as kv_device
 from .pools import KvPools
 
 SKIP_SLOT = -1

@@ -9,13 +9,15 @@ Each builder takes the batch's sequence records (`blocks`, `num_tokens`, `droppe
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from ..backends.protocol import DevicePtr, GpuBackend
+from ..core.guard import guarded
 from ..core.log import get_logger
 from ..core.teardown import free_each
+from ..core.validate import non_negative_int
 from ..errors import KvCacheError
 from ..interop.views import DeviceArrayPtr, export_dlpack, export_dlpack_device
 
@@ -188,3 +190,73 @@ class ExportBuffers:
         self._stale, first = free_each(pending, backend.free, _log, "sequence_table_buffer_free_failed")
         if first is not None:
             raise first
+
+
+class SequenceExports:
+    """The export half of `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_exports`,
+    `_guard` and `_get`): every export is guarded like the table's other calls."""
+
+    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[Any]:
+        """The live sequences of `seq_ids`, each at most once; TypeError for a str or a
+        non-iterable, ValueError naming a repeated id, KeyError naming an unknown one."""
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
+        ids = list(seq_ids)
+        seqs = [self._get(s) for s in ids]
+        if len(set(map(id, seqs))) != len(seqs):
+            seen: set[int] = set()
+            for seq_id, seq in zip(ids, seqs):
+                if id(seq) in seen:
+                    raise ValueError(f"sequence {seq_id!r} is listed more than once in seq_ids")
+                seen.add(id(seq))
+        return seqs
+
+    @guarded
+    def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
+        """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
+        with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`). The export
+        is a DLPack producer: of the device buffer with a backend, else of the host array."""
+        table = block_table_of(self._seq_list(seq_ids))
+        return Exported(table, self._exports.upload("block_table", [table]))
+
+    @guarded
+    def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
+        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks.
+
+        `last_page_len` follows FlashInfer's rule: between 1 and `block_size` for a sequence
+        with tokens, so its held length is `(pages - 1) * block_size + last_page_len`. A
+        sequence with no tokens holds no pages (`indptr[i] == indptr[i+1]`) and gets 0.
+        Example, block_size 4: A holds blocks [7, 2, 9] with 9 tokens, B [4] with 3, C none::
+
+            indptr        = [0, 3, 4, 4]
+            indices       = [7, 2, 9, 4]
+            last_page_len = [1, 3, 0]
+
+        With a backend, `device` is a PageTable of DLPack producers (kDLCPU on HostBackend,
+        kDLCUDA on CudaBackend); without one, `host` holds numpy arrays (DLPack producers too)."""
+        host = page_table_of(self._seq_list(seq_ids), self._bs)
+        device = self._exports.upload("page_table", list(host))
+        return Exported(host, None if device is None else PageTable(*device))
+
+    @guarded
+    def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
+        """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
+        `add` or `append` introduced (for `add`, those after the prefix-cache match),
+        sequence after sequence, padded with -1 (skip) to `pad_to` entries (at most the
+        cache's slot count, `num_blocks * block_size`).
+
+        Example, block_size 4: A holds blocks [7, 2, 9] and its latest append added
+        positions 7 and 8; B holds [4] and was just added with 3 tokens::
+
+            slot_mapping(["A", "B"], pad_to=6) = [2*4+3, 9*4+0, 4*4+0, 4*4+1, 4*4+2, -1]
+                                               = [11, 36, 16, 17, 18, -1]
+
+        The export (and `device`, with a backend) is a DLPack producer."""
+        bs = self._bs
+        if pad_to is not None:
+            pad_to = non_negative_int(pad_to, "pad_to")
+            limit = self._cache.num_blocks() * bs
+            if pad_to > limit:
+                raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
+        slots = slot_mapping_of(self._seq_list(seq_ids), bs, pad_to)
+        return Exported(slots, self._exports.upload("slot_mapping", [slots]))

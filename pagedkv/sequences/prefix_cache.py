@@ -30,8 +30,8 @@ from ..core.log import get_logger
 from ..core.streams import stream_handle
 from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
 from ..errors import KvCacheError, RefCountError
-from .eviction import Chosen, LruEviction
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
+from .eviction import Chosen, LruEviction
 from .hashing import chain_hash, int64_bytes, root_hash
 from .stats import PrefixCacheStats, PrefixCounters
 from .tiering import HostTiering
@@ -390,18 +390,6 @@ class PrefixCache:
             tiering.forget_all()
             self._tiering = tiering = None
         return tiering
-
-    def _pin(self, found: PrefixMatch) -> None:
-        """Keep a reservation's host part from being dropped until `_unpin`."""
-        self._tiering.pin(found)
-
-    def _unpin(self, found: PrefixMatch) -> None:
-        if self._tiering is not None:
-            self._tiering.unpin(found)
-
-    def _promote(self, found: PrefixMatch, blocks: list[int], gpu: object, stream: object, wait: bool) -> None:
-        """Bring a reservation's host part into `blocks` (see `HostTiering.promote`)."""
-        self._tiering.promote(found, blocks, gpu, stream, wait)
 
     def host_tier(self) -> "HostTier | None":
         """The host tier evictions demote into, or None. Releasing the tier before the

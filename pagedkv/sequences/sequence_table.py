@@ -20,15 +20,16 @@ prefix cache over a host tier, `add` promotes the host-resident part of its matc
 from __future__ import annotations
 
 from threading import get_ident
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Sequence
 
 from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int, token_ids as valid_token_ids
+from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
+from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
-from .exports import ExportBuffers, Exported, PageTable, block_table_of, page_table_of, slot_mapping_of
+from .exports import ExportBuffers, Exported, PageTable, SequenceExports
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
 
@@ -79,7 +80,7 @@ class _Seq:
         return other
 
 
-class SequenceTable:
+class SequenceTable(SequenceExports):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
@@ -457,73 +458,6 @@ class SequenceTable:
             if len(owners) > 1 and not all(seq.maybe_shared for seq in owners):
                 raise KvCacheError(f"partly filled block {block} is shared without copy-on-write pending")
         self._cache.check_invariants(held)
-
-    # -- exports for attention kernels -------------------------------------------------
-
-    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_Seq]:
-        """The live sequences of `seq_ids`, each at most once; TypeError for a str or a
-        non-iterable, ValueError naming a repeated id, KeyError naming an unknown one."""
-        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
-            raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
-        ids = list(seq_ids)
-        seqs = [self._get(s) for s in ids]
-        if len(set(map(id, seqs))) != len(seqs):
-            seen: set[int] = set()
-            for seq_id, seq in zip(ids, seqs):
-                if id(seq) in seen:
-                    raise ValueError(f"sequence {seq_id!r} is listed more than once in seq_ids")
-                seen.add(id(seq))
-        return seqs
-
-    @guarded
-    def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
-        """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
-        with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`). The export
-        is a DLPack producer: of the device buffer with a backend, else of the host array."""
-        table = block_table_of(self._seq_list(seq_ids))
-        return Exported(table, self._exports.upload("block_table", [table]))
-
-    @guarded
-    def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
-        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks.
-
-        `last_page_len` follows FlashInfer's rule: between 1 and `block_size` for a sequence
-        with tokens, so its held length is `(pages - 1) * block_size + last_page_len`. A
-        sequence with no tokens holds no pages (`indptr[i] == indptr[i+1]`) and gets 0.
-        Example, block_size 4: A holds blocks [7, 2, 9] with 9 tokens, B [4] with 3, C none::
-
-            indptr        = [0, 3, 4, 4]
-            indices       = [7, 2, 9, 4]
-            last_page_len = [1, 3, 0]
-
-        With a backend, `device` is a PageTable of DLPack producers (kDLCPU on HostBackend,
-        kDLCUDA on CudaBackend); without one, `host` holds numpy arrays (DLPack producers too)."""
-        host = page_table_of(self._seq_list(seq_ids), self._bs)
-        device = self._exports.upload("page_table", list(host))
-        return Exported(host, None if device is None else PageTable(*device))
-
-    @guarded
-    def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
-        """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
-        `add` or `append` introduced (for `add`, those after the prefix-cache match),
-        sequence after sequence, padded with -1 (skip) to `pad_to` entries (at most the
-        cache's slot count, `num_blocks * block_size`).
-
-        Example, block_size 4: A holds blocks [7, 2, 9] and its latest append added
-        positions 7 and 8; B holds [4] and was just added with 3 tokens::
-
-            slot_mapping(["A", "B"], pad_to=6) = [2*4+3, 9*4+0, 4*4+0, 4*4+1, 4*4+2, -1]
-                                               = [11, 36, 16, 17, 18, -1]
-
-        The export (and `device`, with a backend) is a DLPack producer."""
-        bs = self._bs
-        if pad_to is not None:
-            pad_to = non_negative_int(pad_to, "pad_to")
-            limit = self._cache.num_blocks() * bs
-            if pad_to > limit:
-                raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
-        slots = slot_mapping_of(self._seq_list(seq_ids), bs, pad_to)
-        return Exported(slots, self._exports.upload("slot_mapping", [slots]))
 
     # -- release -----------------------------------------------------------------------
 

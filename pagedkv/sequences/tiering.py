@@ -21,8 +21,8 @@ import numpy as np
 
 from ..core.log import get_logger
 from ..errors import KvCacheError
-from .eviction import Chosen
 from .events import BlockRemoved, EventQueue, stored
+from .eviction import Chosen
 from .stats import PrefixCounters
 from .tree import Node, RadixTree
 

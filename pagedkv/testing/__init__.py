@@ -16,9 +16,9 @@ May import: `pagedkv.sequences`, `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.kv`,
 `pagedkv.errors`.
 """
 
+from .pytest_entry import conformance_tests
 from .registry import RULES, ConformanceFailure, Rule
 from .report import ConformanceReport, RuleResult
 from .runner import backend_conformance
-from .pytest_entry import conformance_tests
 
 __all__ = ["RULES", "ConformanceFailure", "ConformanceReport", "Rule", "RuleResult", "backend_conformance", "conformance_tests"]

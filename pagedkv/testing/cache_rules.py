@@ -11,9 +11,9 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from ..backends.host import HostBackend
 from ..cache.paged_cache import PagedKvCache
 from ..core.config import KvCacheConfig
-from ..backends.host import HostBackend
 from ..sequences.prefix_cache import PrefixCache
 from ..sequences.sequence_table import SequenceTable
 from .registry import expect, expect_bytes, read, rule

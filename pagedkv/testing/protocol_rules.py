@@ -7,18 +7,17 @@ reference: numpy for the bytes, HostBackend's reduction and `math.fsum` for the 
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ..backends.protocol import BlockRegions, Bf16Stats, DevicePtr, GpuBackend
 from ..backends.capabilities import CAPABILITIES, backend_supports
-from ..errors import DeviceMemoryError, DeviceOutOfMemory
 from ..backends.host import HostBackend, bf16_bytes_to_float64
-import ctypes
-
+from ..backends.protocol import Bf16Stats, BlockRegions, DevicePtr, GpuBackend
+from ..errors import DeviceMemoryError, DeviceOutOfMemory
 from .registry import RuleNotApplicable, expect, expect_bytes, expect_raises, read, rule
 
 ALIGNMENT = 256

@@ -25,14 +25,14 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from ..backends.capabilities import require
 from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import PagedKvCache
-from ..backends.capabilities import require
-from ..errors import KvCacheError, KvCacheExhausted, RefCountError
 from ..core.log import get_logger
 from ..core.streams import stream_handle
 from ..core.teardown import free_each
 from ..core.validate import block_list, index_in_range, non_negative_int, positive_int
+from ..errors import KvCacheError, KvCacheExhausted, RefCountError
 
 _log = get_logger("host_tier")
 

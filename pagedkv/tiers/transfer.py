@@ -32,11 +32,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..cache.paged_cache import PagedKvCache
 from ..backends.capabilities import backend_supports, device_kind
-from ..errors import KvCacheError, PagedKvError
+from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..core.validate import block_list
+from ..errors import KvCacheError, PagedKvError
 
 _log = get_logger("transfer")
 
