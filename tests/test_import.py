@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import pagedkv
 
 ISSUE_NAMES = [
@@ -30,6 +32,8 @@ ISSUE_NAMES = [
 
 PROBE = """
 import json, sys
+import pytest
+
 import pagedkv
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 gpu = HostBackend(1 << 20)
@@ -97,3 +101,26 @@ def test_public_api_is_sorted_and_complete():
 
 def test_test_hooks_are_not_public():
     assert "reload_flags" not in pagedkv.__all__ and not hasattr(pagedkv, "reload_flags")
+
+
+def test_old_flat_module_paths_are_the_moved_modules():
+    import importlib
+
+    for name in ("prefix_cache", "sequence_table", "host_tier", "transfer", "views", "config", "log", "backend"):
+        assert name in pagedkv.MOVED_MODULES, name
+    for old, new in pagedkv.MOVED_MODULES.items():
+        module = importlib.import_module(f"pagedkv.{new}")
+        assert importlib.import_module(f"pagedkv.{old}") is module, old
+        assert getattr(pagedkv, old) is module and module.__spec__.name == f"pagedkv.{new}", old
+    from pagedkv.prefix_cache import PrefixCache, chain_hash
+    from pagedkv.sequence_table import Exported, SequenceTable
+
+    assert (PrefixCache, SequenceTable, Exported, chain_hash) == (
+        pagedkv.PrefixCache, pagedkv.SequenceTable, pagedkv.Exported, pagedkv.chain_hash)
+    assert pagedkv.cache.PagedKvCache is pagedkv.PagedKvCache and pagedkv.cache.POISON_BYTE == 0xFF
+    with pytest.raises(AttributeError, match="no attribute 'no_such_module'"):
+        pagedkv.no_such_module  # noqa: B018
+    # a fresh interpreter: an old path imported first, before anything else of pagedkv
+    code = "import pagedkv.host_tier as t, pagedkv.tiers.host_tier as n; print(t is n, t.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "True pagedkv.tiers.host_tier\n"

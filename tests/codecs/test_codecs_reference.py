@@ -257,7 +257,7 @@ def test_shipped_contract_states_the_constants_the_code_uses():
 
     from pagedkv.codecs import codebooks
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMATS.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "FORMATS.md").read_text(encoding="utf-8")
     flat = " ".join(text.split())
 
     def numbers_after(marker: str, count: int) -> list[float]:

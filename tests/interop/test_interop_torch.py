@@ -14,7 +14,7 @@ F = pytest.importorskip("torch.nn.functional")
 
 from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable  # noqa: E402
 
-GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "INTEROP.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "INTEROP.md"
 
 
 def _cache(host, dtype="bf16", num_blocks=6):

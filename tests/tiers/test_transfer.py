@@ -418,7 +418,7 @@ def test_the_transfer_bench_runs_at_smoke_size(monkeypatch, capsys):
     import argparse
     import pathlib
 
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
     import bench_transfer
 
     bench_transfer.run(argparse.Namespace(gpu=False, quick=True))
@@ -434,7 +434,7 @@ def test_the_readme_transfer_example_runs():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     (example,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "KvTransfer" in block]
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)

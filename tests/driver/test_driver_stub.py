@@ -81,7 +81,7 @@ def test_lifecycle_context_modules_and_close(stub_env):
 
 
 def test_memory_calls_reach_the_driver_once_each(stub_env):
-    """What the conformance suite (tests/test_conformance_cuda.py) cannot see: mem_info is
+    """What the conformance suite (tests/testing/test_conformance_cuda.py) cannot see: mem_info is
     the driver's, zero-byte calls make no driver call, a refused free makes none."""
     run_on_stub(stub_env, '''
         from pagedkv.driver import CudaBackend
@@ -461,7 +461,7 @@ def test_cuda_marked_suite_runs_over_the_stub(stub_env):
         import pytest
         code = pytest.main(["-q", "-n", "0", "-p", "no:cacheprovider", "-m", "cuda", %r])
         assert code == 0, code
-    ''' % str(Path(__file__).parent))
+    ''' % str(Path(__file__).resolve().parents[1]))
 
 
 def test_gpu_benchmark_runs_over_the_stub(stub_env):

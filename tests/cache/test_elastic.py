@@ -376,7 +376,7 @@ def test_readme_elastic_example_runs():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     (example,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "elastic=True" in block]
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
@@ -438,7 +438,7 @@ def test_elastic_bench_section_prints_every_figure(capsys):
     import pathlib
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
     try:
         import bench
 

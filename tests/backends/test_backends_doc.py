@@ -13,7 +13,7 @@ from pagedkv import HostBackend
 from pagedkv.backends.capabilities import CAPABILITIES
 from pagedkv.testing import conformance_tests
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "BACKENDS.md"
 sys.path.insert(0, str(ROOT / "docs" / "examples"))
 

@@ -555,7 +555,7 @@ def test_serving_bench_section_runs_both_ways(capsys):
     import argparse
     import os
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools"))
     try:
         import bench_serving
     finally:
@@ -577,7 +577,7 @@ def test_serving_bench_measures_a_reference_checkout_in_the_same_process(capsys,
     import argparse
     import os
 
-    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
     monkeypatch.syspath_prepend(os.path.join(root, "tools"))
     import bench_serving
 

@@ -93,7 +93,7 @@ def test_cli_refuses_bad_sizes_in_one_line(capsys, bad):
 
 
 def test_bench_section_prints_the_same_table(capsys):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
     try:
         import bench_quality
     finally:

@@ -156,7 +156,7 @@ def test_readme_device_step_runs_over_the_stub(stub_env):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     (step,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "write_tokens" in block]
     assert "write_tokens" in step and "out_k=out_k" in step
     out = run_on_stub(stub_env, step + '\nprint("CHECK readme step ok")\n')
@@ -169,7 +169,7 @@ def test_kv_bench_smoke_over_the_stub(stub_env):
     so only the form is checked)."""
     import pathlib
 
-    tools = pathlib.Path(__file__).resolve().parent.parent / "tools"
+    tools = pathlib.Path(__file__).resolve().parents[2] / "tools"
     out = run_on_stub(stub_env, '''
         import pagedkv.driver
         pagedkv.driver.is_available = lambda: True

@@ -1,4 +1,4 @@
-"""The byte vectors of the formats tests (tests/test_codecs_vectors.py, FORMATS.md's worked
+"""The byte vectors of the formats tests (tests/codecs/test_codecs_vectors.py, FORMATS.md's worked
 examples) through the device KV kernels (kv_rows.cu on the kernel harness, over the libcuda
 stub): the bytes a device write stores are the vectors' bytes (and the host codec's), and
 the device decode of the vectors' bytes gives the vectors' values bit for bit (float32 and
@@ -49,7 +49,7 @@ ENCODE_VECTORS = {
     "turbo2": [(_pad([]), "aa" * 4 + "00")],
     "turbo8": [(_pad([]), "00" * 16 + _BF16_TINY), ([float(x) for x in np.linspace(-3.0, 1.0, 16)], None)],
 }
-"""The encode vectors of tests/test_codecs_vectors.py, by format."""
+"""The encode vectors of tests/codecs/test_codecs_vectors.py, by format."""
 
 FP8_V_SCALE2 = "7efe76300080" "3c" "38" + "00" * 8
 """fp8 of _FP8_IN divided by a scale of 2 (the V side of the fp8 layer)."""
@@ -66,7 +66,7 @@ DECODE_VECTORS = {
     "turbo3": [("88c6fa773905" + "38", _TURBO3_BOOK + _TURBO3_BOOK[::-1])],
     "turbo8": [("38" * 16 + "803f", [1.0] * 16)],
 }
-"""The decode vectors of tests/test_codecs_vectors.py, by format."""
+"""The decode vectors of tests/codecs/test_codecs_vectors.py, by format."""
 
 
 def test_the_vector_tables_are_the_host_codecs():

@@ -1,5 +1,5 @@
 """DevicePtr and HostBackend's own strictness (`host`). The backend contract itself, on every
-backend, is the conformance suite: tests/test_conformance_*.py (pagedkv.testing)."""
+backend, is the conformance suite: tests/testing/test_conformance_*.py (pagedkv.testing)."""
 
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv.core import log
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 WORK = """
 import numpy as np
