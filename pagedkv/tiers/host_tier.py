@@ -150,6 +150,30 @@ class HostTier:
         """True until `release`."""
         return self._live
 
+    def format_name(self) -> str | None:
+        """The pagedkv format host blocks are stored in when it is not the device's (None:
+        the device pools' own bytes)."""
+        return None
+
+    def rows(self) -> list[dict]:
+        """What one host block holds, row by row (the region table's order): layer, side,
+        side format, dims and stride (what a disk tier's layout records)."""
+        config = self._cache.config()
+        out = []
+        for layer in range(config.num_layers):
+            heads, head_dim = config.dims_for_layer(layer)
+            k_fmt, v_fmt = config.dtype_for_layer(layer).kv_pair()
+            sides = (("K", k_fmt),) if config.v_aliases_k else (("K", k_fmt), ("V", v_fmt))
+            for side, fmt in sides:
+                out.append({"layer": layer, "side": side, "dtype": str(fmt), "num_kv_heads": heads,
+                            "head_dim": head_dim, "stride": int(self._strides[self._cache.region_index(layer, side)])})
+        return out
+
+    def block_rows(self, block: int) -> list[np.ndarray]:
+        """Writable views of host block `block`'s bytes, one per row (no copy; valid until
+        `release`). Wait for the swap that writes it before reading them."""
+        return [m.array[block * s : (block + 1) * s] for m, s in zip(self._memories, self._strides.tolist())]
+
     # -- free list ----------------------------------------------------------------------
 
     def alloc(self, n: int) -> list[int]:
