@@ -117,7 +117,7 @@ class DiskTiering:
     def poll(self) -> None:
         """Take the disk tier's finished writes: a failed one drops its copy (and a disk-only
         node with its disk-only descendants)."""
-        for slot, ok in self.disk.poll():
+        for slot, ok in self.disk.take_finished():
             if ok:
                 continue
             node = self.by_slot.pop(slot, None)

@@ -118,6 +118,7 @@ class DiskTier:
         self._degraded: str | None = None
         self._counts = collections.Counter()
         self._failing = False
+        self._finished: list[tuple[int, bool]] = []
 
     # -- binding --------------------------------------------------------------------------
 
@@ -359,12 +360,18 @@ class DiskTier:
         """Staging slots free: blocks that can be queued now."""
         return len(self._staging_free) if self.is_writable() else 0
 
-    def poll(self) -> list[tuple[int, bool]]:
-        """The writes finished since the last poll: (slot, written) for each slot still
+    def take_finished(self) -> list[tuple[int, bool]]:
+        """The writes finished since the last call: (slot, written) for each slot still
         wanted (a failed one is freed; a warning is logged when writes start failing)."""
+        self.poll()
+        out, self._finished = self._finished, []
+        return out
+
+    def poll(self) -> None:
+        """Take the I/O thread's completions into the bookkeeping (`take_finished` reports them)."""
         if self._io is None:
-            return []
-        out = []
+            return
+        out = self._finished
         for done in self._io.take_completions():
             self._staging_free.append(done.staging)
             slot = done.slot
@@ -389,13 +396,12 @@ class DiskTier:
                 self._lru.pop(slot, None)
                 heapq.heappush(self._free, slot)
             out.append((slot, done.record is not None))
-        return out
 
-    def flush(self) -> list[tuple[int, bool]]:
-        """Wait until every queued write is done; returns `poll()`'s answer."""
+    def flush(self) -> None:
+        """Wait until every queued write is done (and take it into the bookkeeping)."""
         if self._io is not None and self._pending:
             self._io.barrier()
-        return self.poll()
+        self.poll()
 
     # -- reads ----------------------------------------------------------------------------
 
