@@ -136,6 +136,19 @@ class DiskTiering:
         one afterwards (the others could not be queued)."""
         kept: set[int] = set()
         stored: list[Node] = []
+        self.pin(nodes)  # a slot for one must not come from another's copy
+        try:
+            self._store(nodes, host_rows, kept, stored)
+        finally:
+            self.unpin(nodes)
+        if stored:
+            self._counts.disk_stores += len(stored)
+            if self._events.consumer is not None:
+                for node in stored:
+                    self._emit_stored([node])
+        return kept
+
+    def _store(self, nodes: list[Node], host_rows, kept: set[int], stored: list[Node]) -> None:
         for node in nodes:
             if node in self.slot_of:
                 kept.add(id(node))
@@ -149,12 +162,6 @@ class DiskTiering:
                 self.by_slot[slot] = node
                 kept.add(id(node))
                 stored.append(node)
-        if stored:
-            self._counts.disk_stores += len(stored)
-            if self._events.consumer is not None:
-                for node in stored:
-                    self._emit_stored([node])
-        return kept
 
     def _free_slot(self) -> int | None:
         disk = self.disk

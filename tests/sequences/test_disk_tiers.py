@@ -269,10 +269,10 @@ FORMATS = [str(f) for f in KvCacheDtype]
 def test_every_format_round_trips_byte_exact_with_eviction_in_all_tiers(tmp_path_factory, fmt, ops):
     """Random prompts (shared prefixes) filled, pushed down by pressure, and served again:
     every byte served equals what was written, in every format, with the device, the host
-    and the disk tier all evicting (4, 2 and 6 blocks)."""
+    and the disk tier all evicting (4, 3 and 6 blocks)."""
     config = KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=32, num_layers=2, dtype=fmt,
                            layer_dims=((1, 32), (2, 16)) if not KvCacheDtype.parse(fmt).is_grouped() else ())
-    world = DiskWorld(tmp_path_factory.mktemp("t"), device=4, host=2, disk_bytes=6 * 4096, config=config)
+    world = DiskWorld(tmp_path_factory.mktemp("t"), device=4, host=3, disk_bytes=6 * 4096, config=config)
     try:
         for i, (chain, blocks, shared) in enumerate(ops):
             p = prompt(chain, blocks, min(shared, blocks))
@@ -282,12 +282,13 @@ def test_every_format_round_trips_byte_exact_with_eviction_in_all_tiers(tmp_path
                 world.served(f"s{i}", p)
                 world.table.free(f"s{i}")
             world.pressure()
+            world.disk.flush()  # which writes are done decides which slots can be reused: make it so
             world.prefix.check_invariants()
         through = prompt(50, 3)  # and one chain surely down to the disk and back
         world.fill("down", through)
-        for chain in (51, 52):
-            world.fill(f"push{chain}", prompt(chain, 3))
-            world.pressure()
+        world.fill("push", prompt(51, 3))  # chain 50 to the host tier
+        world.pressure()  # chain 51 to the host tier, chain 50 to disk: its 3 slots the newest
+        assert world.prefix.match(through).disk_num_tokens == 12
         promoted = world.prefix.stats().disk_promotions
         assert world.served("up", through) == 12
         stats = world.prefix.stats()
