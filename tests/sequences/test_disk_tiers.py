@@ -312,3 +312,63 @@ def test_the_content_helper_is_what_a_block_holds(tmp_path):
     finally:
         world.close()
 
+
+
+def test_bytes_written_without_their_record_are_never_served(tmp_path):
+    """A crash between a reused slot's new bytes and its record, made certain: the index
+    append fails, so the directory's newest records for those slots still describe the old
+    blocks, whose bytes were overwritten."""
+    world = DiskWorld(tmp_path, disk_bytes=6 * 4096)
+    first, second, third = _to_disk(world)
+    assert world.prefix.num_disk_blocks() == 6
+    real_pwrite = world.disk._io.ops.pwrite
+
+    def no_index(fd, data, offset):
+        raise OSError(5, "Input/output error")
+
+    world.disk._io.ops.pwrite = no_index  # pwritev (the slots) still works
+    world.fill("c4", prompt(4, 3))
+    world.pressure()  # chain 3 to disk, into chain 1's slots (the least recently used)
+    world.disk.flush()
+    world.prefix.match(first)
+    assert world.prefix.stats().disk_failed_writes == 3
+    world.disk._io.ops.pwrite = real_pwrite
+    world.close()
+    warm = DiskWorld(tmp_path, disk_bytes=6 * 4096)
+    try:
+        assert warm.disk.stats().restored_blocks == 6  # chain 1's stale records and chain 2's
+        assert warm.served("a", first) == 0  # its first slot holds chain 3's bytes: dropped, with its children
+        assert warm.prefix.stats().disk_failed_reads == 3
+        warm.table.free("a")
+        assert warm.served("b", second) == 12
+        warm.prefix.check_invariants()
+    finally:
+        warm.close()
+
+
+def test_a_torn_index_tail_is_cut_and_appends_go_after_the_last_good_record(tmp_path):
+    from pagedkv.tiers.disk_layout import INDEX_FILE
+
+    world = DiskWorld(tmp_path)
+    first, second, _ = _to_disk(world)
+    world.close()
+    index = tmp_path / INDEX_FILE
+    data = index.read_bytes()
+    index.write_bytes(data[:-10])  # the last record torn
+    warm = DiskWorld(tmp_path)
+    try:
+        assert warm.disk.stats().restored_blocks == 5
+        assert index.stat().st_size < len(data) - 10  # cut back to the last whole record
+        assert warm.served("a", first) == 12
+        warm.table.free("a")
+        for chain in (30, 31):
+            warm.fill(f"n{chain}", prompt(chain, 3))
+            warm.pressure()
+    finally:
+        warm.close()
+    again = DiskWorld(tmp_path)
+    try:
+        assert again.disk.stats().restored_blocks > 5
+        assert again.served("b", prompt(30, 3)) == 12
+    finally:
+        again.close()
