@@ -80,6 +80,10 @@ class HostTiering:
         hosts = tier.alloc(len(demoted))
         try:
             tier.swap_out([n.block for n in demoted], hosts, self.swap_stream).wait()
+        except ValueError as err:  # a tier format refused the values (NaN/inf on the host codecs): drop them
+            tier.free(hosts)
+            _log.warning("prefix_cache_demotion_refused", blocks=len(demoted), error=str(err))
+            dropped, demoted, hosts = nodes, [], []
         except BaseException:
             tier.free(hosts)
             self._policy.unselect(chosen)

@@ -3,6 +3,6 @@ in the device pools' layout, filled and read back by batched swaps; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
 imported lazily).
 
-May import: `pagedkv.cache`, `pagedkv.kv`, `pagedkv.backends`, `pagedkv.core`,
+May import: `pagedkv.cache`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
 `pagedkv.errors`.
 """
