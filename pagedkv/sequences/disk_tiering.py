@@ -72,40 +72,49 @@ class DiskTiering:
         """Make disk-only nodes of the directory's `records` (oldest first): a record whose
         parent chain is present and whose tokens give its hash. Slots of the others are
         freed. Returns how many blocks were restored."""
-        newest: dict[tuple[int, int], IndexRecord] = {}
+        newest: dict[int, IndexRecord] = {}  # (adapter << 64 | hash) -> record
+        stale = []
         for record in records:
-            old = newest.get((record.adapter_id, record.hash))
+            key = record.adapter_id << 64 | record.hash
+            old = newest.get(key)
             if old is not None:
-                self.disk.free_slots([old.slot])  # the same block stored twice: keep the newest
-            newest[record.adapter_id, record.hash] = record
-        children: dict[tuple[int, int], list[IndexRecord]] = {}
+                stale.append(old.slot)  # the same block stored twice: keep the newest
+            newest[key] = record
+        children: dict[int, list[IndexRecord]] = {}
         for record in newest.values():
-            children.setdefault((record.adapter_id, record.parent_hash), []).append(record)
+            key = record.adapter_id << 64 | record.parent_hash
+            group = children.get(key)
+            if group is None:
+                children[key] = [record]
+            else:
+                group.append(record)
         order: list[Node] = []
-        tree = self._tree
-        adapters = {r.adapter_id for r in newest.values()}
-        for adapter in sorted(adapters):
-            key = (adapter, root_hash(adapter))
-            if key not in children:
-                continue
-            stack = [(tree.root(adapter), r) for r in children.pop(key)]
+        tree, attach, slot_of, by_slot = self._tree, self._tree.attach, self.slot_of, self.by_slot
+        token_bytes = 8 * self._block_size
+        for adapter in sorted({r.adapter_id for r in newest.values()}):
+            high = adapter << 64
+            stack = [(tree.root(adapter), r) for r in children.pop(high | root_hash(adapter), ())]
             while stack:
                 parent, record = stack.pop()
-                if record.tokens in parent.children or len(record.tokens) != 8 * self._block_size:
-                    self.disk.free_slots([record.slot])
+                tokens = record.tokens
+                if tokens in parent.children or len(tokens) != token_bytes:
+                    stale.append(record.slot)
                     continue
-                node = tree.attach(parent, record.tokens)
-                if node.hash != record.hash:
-                    del parent.children[record.tokens]
-                    self.disk.free_slots([record.slot])
+                node = attach(parent, tokens)
+                if node.hash != record.hash:  # a record whose tokens do not give its hash
+                    del parent.children[tokens]
+                    stale.append(record.slot)
                     continue
-                self.slot_of[node] = record.slot
-                self.by_slot[record.slot] = node
+                slot_of[node] = record.slot
+                by_slot[record.slot] = node
                 order.append(node)
-                stack.extend((node, r) for r in children.pop((adapter, node.hash), ()))
+                below = children.pop(high | node.hash, None)
+                if below is not None:
+                    stack.extend((node, r) for r in below)
         for rest in children.values():  # orphans: their parent chain is not in the directory
-            self.disk.free_slots([r.slot for r in rest])
-        self.disk.touch([self.slot_of[n] for n in reversed(order)])  # parents more recent than children
+            stale.extend(r.slot for r in rest)
+        self.disk.free_slots(stale)
+        self.disk.touch([slot_of[n] for n in reversed(order)])  # parents more recent than children
         if order and self._events.consumer is not None:
             for node in order:
                 self._emit_stored([node])

@@ -70,6 +70,7 @@ def scan(data: bytes, block_size: int) -> tuple[list[IndexRecord], int]:
     offset, end = HEADER_BYTES, len(data)
     unpack, crc = _FIXED.unpack_from, zlib.crc32
     fixed = _FIXED.size
+    offset = _scan_plain(data, offset, block_size, records)  # the common case, in one C loop
     while offset + fixed + _CRC.size <= end:
         magic, length, slot, stored, codec, kind, extra_len, adapter, hash_, parent, checksum = unpack(data, offset)
         if (magic != RECORD_MAGIC or kind != KIND_STORE or length != fixed + token_bytes + extra_len + _CRC.size
@@ -83,6 +84,25 @@ def scan(data: bytes, block_size: int) -> tuple[list[IndexRecord], int]:
         records.append(IndexRecord(slot, stored, codec, adapter, hash_, parent, checksum, tokens, extra))
         offset += length
     return records, offset
+
+
+def _scan_plain(data: bytes, offset: int, block_size: int, records: list[IndexRecord]) -> int:
+    """Append the leading run of records without extra keys (all one size) to `records`;
+    returns where the run stops (the general scan goes on from there)."""
+    size = _FIXED.size + 8 * block_size + _CRC.size
+    whole = struct.Struct(_FIXED.format + f"{8 * block_size}sI")
+    n = (len(data) - offset) // size
+    view = memoryview(data)
+    crc = zlib.crc32
+    make = IndexRecord
+    for i, (magic, length, slot, stored, codec, kind, extra_len, adapter, hash_, parent, checksum, tokens,
+            check) in enumerate(whole.iter_unpack(view[offset : offset + n * size])):
+        at = offset + i * size
+        if (magic != RECORD_MAGIC or kind != KIND_STORE or length != size or extra_len
+                or crc(view[at : at + size - _CRC.size]) != check):
+            return at
+        records.append(make(slot, stored, codec, adapter, hash_, parent, checksum, tokens))
+    return offset + n * size
 
 
 def read_index(path: str, fingerprint: str, block_size: int) -> tuple[list[IndexRecord], int] | None:

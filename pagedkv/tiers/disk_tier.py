@@ -320,6 +320,9 @@ class DiskTier:
     def touch(self, slots: Sequence[int]) -> None:
         """Mark slots used now, in order (the last is the most recent)."""
         lru = self._lru
+        if not lru:
+            lru.update(dict.fromkeys(slots))  # a fresh LRU (at start): one C loop
+            return
         for slot in slots:
             lru[slot] = None
             lru.move_to_end(slot)
