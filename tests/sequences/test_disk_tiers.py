@@ -372,3 +372,17 @@ def test_a_torn_index_tail_is_cut_and_appends_go_after_the_last_good_record(tmp_
         assert again.served("b", prompt(30, 3)) == 12
     finally:
         again.close()
+
+
+def test_the_readme_disk_tier_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Disk tier"):readme.index("## CUDA backend")]
+    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    gpu = namespace["gpu"]
+    assert gpu.live_allocations() == 0 and gpu.live_swap_memory() == 0
+    assert namespace["prefix"].stats().disk_promotions == 3
