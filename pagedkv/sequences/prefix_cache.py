@@ -427,7 +427,11 @@ class PrefixCache:
                 self._tiering = tiering = None
                 self._disk = None
             elif self._disk is not None:
-                self._disk.poll()
+                if self._disk.disk.is_bound():
+                    self._disk.poll()
+                else:  # the disk tier was closed first: forget its blocks, go on with two tiers
+                    self._disk.forget_all()
+                    tiering.disk = self._disk = None
         return tiering
 
     def host_tier(self) -> "HostTier | None":
@@ -441,7 +445,9 @@ class PrefixCache:
         return 0 if self._tiering is None else len(self._tiering.by_host)
 
     def disk_tier(self) -> "DiskTier | None":
-        """The disk tier below the host tier, or None."""
+        """The disk tier below the host tier, or None. Closing the disk tier before the
+        prefix cache is allowed: the next call forgets the disk blocks (the directory keeps
+        them) and the cache goes on with two tiers."""
         return None if self._disk is None else self._disk.disk
 
     def num_disk_blocks(self) -> int:

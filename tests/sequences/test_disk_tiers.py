@@ -386,3 +386,17 @@ def test_the_readme_disk_tier_example_runs():
     gpu = namespace["gpu"]
     assert gpu.live_allocations() == 0 and gpu.live_swap_memory() == 0
     assert namespace["prefix"].stats().disk_promotions == 3
+
+
+def test_closing_the_disk_tier_first_leaves_a_two_tier_cache(tmp_path):
+    world = DiskWorld(tmp_path)
+    try:
+        prompts = _to_disk(world)
+        world.disk.close()
+        assert world.served("a", prompts[0]) == 0  # its blocks were on disk only
+        world.table.free("a")
+        assert world.prefix.disk_tier() is None and world.prefix.num_disk_blocks() == 0
+        assert world.served("b", prompts[2]) == 12  # from the host tier
+        world.prefix.check_invariants()
+    finally:
+        world.close()
