@@ -400,3 +400,24 @@ def test_closing_the_disk_tier_first_leaves_a_two_tier_cache(tmp_path):
         world.prefix.check_invariants()
     finally:
         world.close()
+
+
+def test_a_slot_for_one_block_of_a_drop_never_comes_from_another_ones_copy(tmp_path):
+    world = DiskWorld(tmp_path, disk_bytes=3 * 4096)
+    try:
+        first, second = prompt(1, 3), prompt(2, 3)
+        for seq, p in (("a", first), ("b", second)):
+            world.fill(seq, p)
+            world.pressure()
+        world.disk.flush()
+        disk = world.prefix._disk
+        chain = world.prefix._tree.walk(first, 12, 0)
+        host_node = world.prefix._tree.walk(second, 12, 0)[0]
+        assert [n in disk.slot_of for n in chain] == [True] * 3 and host_node.lower is not None
+        disk.disk.touch([disk.slot_of[n] for n in reversed(chain[1:])])  # the first one's slot: the oldest
+        kept = disk.store([chain[0], host_node], lambda node: world.tier.block_rows(node.lower))
+        assert kept == {id(chain[0]), id(host_node)}
+        assert chain[0] in disk.slot_of and host_node in disk.slot_of  # the slot came from a child of chain[0]
+        world.disk.flush()
+    finally:
+        world.close()

@@ -52,12 +52,12 @@ def _write(cache, gpu, blocks, seed):
 def test_every_pairing_is_the_host_codecs_both_ways(gpu):
     stream = gpu.default_stream()
     for device_fmt, tier_fmt in _pairs():
-        cache = PagedKvCache(_config(device_fmt, 1), 4, gpu)
-        tier = HostTier(cache, 2, gpu, format=tier_fmt, staging_blocks=1)  # 2 blocks: 2 chunks
+        cache = PagedKvCache(_config(device_fmt, 1), 6, gpu)
+        tier = HostTier(cache, 3, gpu, format=tier_fmt, staging_blocks=2)  # 3 blocks: chunks of 2 and 1
         try:
-            blocks = cache.alloc_blocks(2)
+            blocks = cache.alloc_blocks(3)
             _write(cache, gpu, blocks, 7)
-            hosts = tier.alloc(2)
+            hosts = tier.alloc(3)
             tier.swap_out(blocks, hosts, stream).wait()
             dk, dv = KvCacheDtype.parse(device_fmt).kv_pair()
             tk, tv = KvCacheDtype.parse(tier_fmt).kv_pair()
@@ -67,7 +67,7 @@ def test_every_pairing_is_the_host_codecs_both_ways(gpu):
                     hk, hv = tier.read_block(layer, h)
                     assert hk.tobytes() == _side(k, str(dk), str(tk)), (device_fmt, tier_fmt, layer, "K down")
                     assert hv.tobytes() == _side(v, str(dv), str(tv)), (device_fmt, tier_fmt, layer, "V down")
-            back = cache.alloc_blocks(2)
+            back = cache.alloc_blocks(3)
             tier.swap_in(hosts, back, stream).wait()
             for layer in range(1):
                 for b, h in zip(back, hosts):
