@@ -225,6 +225,7 @@ class DiskTier:
         if os.fstat(index_fd).st_size != end:
             os.ftruncate(index_fd, end)  # a torn tail record: appends go after the last good one
         staging = np.empty((self._queue_blocks, self._slot_bytes), dtype=np.uint8)
+        staging.fill(0)  # fault the pages in now, not on the engine's first demotions
         self._io = DiskIO(slots_fd, index_fd, end, self._slot_bytes, staging, self._compression, self._durable)
         return records
 
