@@ -54,6 +54,8 @@ from .sequences.prefix_cache import (
     root_hash,
 )
 from .sequences.sequence_table import Exported, PageTable, SequenceTable
+from .tiers.disk_layout import DiskLayoutMismatch
+from .tiers.disk_tier import DiskTier, DiskTierStats
 from .tiers.host_tier import HostTier, SwapHandle
 
 MOVED_MODULES = {
@@ -138,6 +140,9 @@ __all__ = [
     "DeviceMemoryError",
     "DeviceOutOfMemory",
     "DevicePtr",
+    "DiskLayoutMismatch",
+    "DiskTier",
+    "DiskTierStats",
     "ElasticBlockAllocator",
     "ElasticMapping",
     "EnvFlags",

@@ -21,7 +21,7 @@ ALLOWED = {
     "driver": {"backends", "codecs", "core", "errors"},
     "kv": {"driver", "interop", "backends", "codecs", "core", "errors"},
     "cache": {"kv", "interop", "backends", "codecs", "core", "errors"},
-    "tiers": {"cache", "kv", "backends", "core", "errors"},
+    "tiers": {"cache", "kv", "interop", "backends", "core", "errors"},
     "sequences": {"tiers", "cache", "kv", "interop", "backends", "core", "errors"},
     "testing": {"sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core", "errors"},
     "cli": {"testing", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core", "errors"},

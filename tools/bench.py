@@ -3,7 +3,8 @@
 and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU ones.
 
 Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
-bench_kv.py, bench_quality.py, bench_elastic.py, bench_transfer.py, bench_tier.py); each exposes
+bench_kv.py, bench_quality.py, bench_elastic.py, bench_transfer.py, bench_tier.py,
+bench_disk.py); each exposes
 `run(args) -> None` and prints its own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
@@ -34,6 +35,7 @@ SECTIONS = {
     "serving": ("bench_serving", False),
     "elastic": ("bench_elastic", False),
     "transfer": ("bench_transfer", False),
+    "disk": ("bench_disk", False),
     "gpu": ("bench_gpu", True),
     "kv": ("bench_kv", True),
     "tier": ("bench_tier", True),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..kv.quality import describe, format_table, quality_table
+from ..kv.quality import describe, format_table, format_tier_table, quality_table, tier_table
 from .args import UsageError, non_negative_int, positive_int
 
 
@@ -14,6 +14,11 @@ def run(args: argparse.Namespace) -> int:
     if args.head_dim % 16:
         raise UsageError(f"--head-dim {args.head_dim} is not a multiple of 16 (the grouped formats need it)")
     print(describe(args.tokens, args.heads, args.head_dim, args.seed))
+    if args.tier:
+        print("the error a tier format adds: device values through HostTier(format=tier) and back, against the "
+              "device values (ratio: device bytes / tier bytes)")
+        print(format_tier_table(tier_table(args.tokens, args.heads, args.head_dim, args.seed)))
+        return 0
     print(format_table(quality_table(args.tokens, args.heads, args.head_dim, args.seed)))
     return 0
 
@@ -27,4 +32,6 @@ def register(subparsers) -> None:
     parser.add_argument("--heads", type=positive_int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-dim", type=positive_int, default=128, help="head size, a multiple of 16 (default 128)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    parser.add_argument("--tier", action="store_true",
+                        help="the error each tier pairing adds (bf16 and fp8 devices, every smaller tier format)")
     parser.set_defaults(func=run)

@@ -147,3 +147,68 @@ def describe(tokens: int, heads: int, head_dim: int, seed: int) -> str:
         f"K Student-t(4) + 4 outlier channels/head, V Student-t(5); 8 queries/head "
         f"(score std {SCORE_SPREAD}); attention cosine vs BF16 K and V"
     )
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """The error one tier pairing adds: blocks stored in `device` on the device, kept in
+    `tier` below it (`HostTier(format=tier)`), brought back into `device`. `ratio` is device
+    bytes over tier bytes; the relative MSEs and the attention cosine compare the values
+    after the round trip with the values the device held (not the original ones)."""
+
+    device: KvCacheDtype
+    tier: KvCacheDtype
+    ratio: float
+    k_rel_mse: float
+    v_rel_mse: float
+    attn_cos_mean: float
+    attn_cos_min: float
+
+
+TIER_DEVICE_FORMATS = (KvCacheDtype.BF16, KvCacheDtype.FP8)
+"""The device formats `tier_table` pairs with every smaller format by default."""
+
+
+def _side_bytes(fmt: KvCacheDtype, n: int) -> int:
+    from ..core.dtype import side_bytes
+
+    return side_bytes(fmt, n)
+
+
+def tier_table(tokens: int = 512, heads: int = 8, head_dim: int = 128, seed: int = 0,
+               devices=TIER_DEVICE_FORMATS) -> list[TierRow]:
+    """One TierRow per (device format, smaller tier format) on `synthetic_kv(...)`: the
+    device values are `decode(device, encode(device, x))`, the tier's `encode(tier, .)` of
+    them decoded and encoded back into the device format (what HostTier(format=...) does,
+    byte for byte)."""
+    k, v, q = synthetic_kv(tokens, heads, head_dim, seed)
+    n = tokens * heads * head_dim
+    rows = []
+    for device in devices:
+        device = KvCacheDtype.parse(device)
+        dk, dv = device.kv_pair()
+        k_dev, v_dev = _round_trip(k, dk, True), _round_trip(v, dv, True)
+        reference = attention(q, k_dev, v_dev)
+        size = _side_bytes(dk, n) + _side_bytes(dv, n)
+        for tier in KvCacheDtype:
+            tk, tv = tier.kv_pair()
+            tier_size = _side_bytes(tk, n) + _side_bytes(tv, n)
+            if tier == device or tier_size > size:
+                continue
+            k_back = _round_trip(_round_trip(k_dev, tk, True), dk, True) if tk != dk else k_dev
+            v_back = _round_trip(_round_trip(v_dev, tv, True), dv, True) if tv != dv else v_dev
+            cos = _cosines(attention(q, k_back, v_back), reference)
+            rows.append(TierRow(device, tier, size / tier_size, _rel_mse(k_back, k_dev), _rel_mse(v_back, v_dev),
+                                float(cos.mean()), float(cos.min())))
+    return rows
+
+
+def format_tier_table(rows: list[TierRow]) -> str:
+    """The tier rows as a fixed-width text table, one pairing a line."""
+    head = (f"{'device':<16} {'tier':<16} {'ratio':>6} {'K relMSE':>9} {'V relMSE':>9} "
+            f"{'attn cos':>9} {'cos min':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{str(r.device):<16} {str(r.tier):<16} {r.ratio:>5.2f}x {r.k_rel_mse:>9.2e} "
+                     f"{r.v_rel_mse:>9.2e} {r.attn_cos_mean:>9.6f} {r.attn_cos_min:>9.6f}")
+    return "\n".join(lines)

@@ -3,7 +3,8 @@
 `PrefixCache` (`prefix_cache`) is a facade over four parts, each replaceable on its own:
 the radix tree of whole blocks and its walk (`tree`), chained hashes (`hashing`) and events
 (`events`), the eviction policy (`eviction`: LRU today, one object a retention policy can
-replace), and the host-tier demotion and promotion (`tiering`). `SequenceTable`
+replace), and the host-tier demotion and promotion (`tiering`; the disk tier's in
+`disk_tiering`). `SequenceTable`
 (`sequence_table`) keeps per-sequence block tables; its kernel exports live in `exports`
 and its side of the reserve/confirm protocol with the prefix cache in `reuse`.
 

@@ -34,10 +34,12 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, Pre
 from .eviction import Chosen, LruEviction
 from .hashing import chain_hash, int64_bytes, root_hash
 from .stats import PrefixCacheStats, PrefixCounters
+from .disk_tiering import DiskTiering
 from .tiering import HostTiering
 from .tree import Node, RadixTree, adapter_id_checked
 
 if TYPE_CHECKING:
+    from ..tiers.disk_tier import DiskTier
     from ..tiers.host_tier import HostTier
 
 __all__ = [
@@ -58,11 +60,14 @@ class PrefixMatch(NamedTuple):
     num_tokens: int
     host_blocks = ()
     host_num_tokens = 0
+    disk_blocks = ()
+    disk_num_tokens = 0
 
 
 class TieredMatch(PrefixMatch):
     """A PrefixMatch of a prefix cache with a host tier: `host_blocks` (a list of host block
-    ids) and `host_num_tokens` are set per match."""
+    ids) and `host_num_tokens` are set per match; with a disk tier, `disk_blocks` (the slots
+    continuing the run on disk, after the host blocks) and `disk_num_tokens` too."""
 
 
 class _Reservation(TieredMatch):
@@ -91,10 +96,13 @@ class PrefixCache:
     `block_references` speak of the device tier, `num_host_blocks` of the host tier."""
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,
-                 host_tier: "HostTier | None" = None, swap_stream: object = 0):
+                 host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None):
         """`host_tier`: a HostTier of `cache` to demote evicted blocks into (see
         `pagedkv.sequences.tiering`); `swap_stream`: the stream demotions are enqueued on,
-        after the work already there (give the engine's compute stream)."""
+        after the work already there (give the engine's compute stream). `disk_tier`: a
+        DiskTier below the host tier (see `pagedkv.sequences.disk_tiering`), bound here: a
+        directory of another layout is refused (DiskLayoutMismatch) with nothing changed,
+        one of the same layout comes up warm (its chains match)."""
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if on_event is not None and not callable(on_event):
@@ -106,7 +114,17 @@ class PrefixCache:
                 raise TypeError(f"host_tier must be a HostTier, got {type(host_tier).__name__}")
             if host_tier.cache() is not cache:
                 raise ValueError("host_tier belongs to a different PagedKvCache")
+        records = None
+        if disk_tier is not None:
+            from ..tiers.disk_tier import DiskTier
+
+            if not isinstance(disk_tier, DiskTier):
+                raise TypeError(f"disk_tier must be a DiskTier, got {type(disk_tier).__name__}")
+            if host_tier is None:
+                raise ValueError("a disk tier sits below a host tier: give host_tier=HostTier(...) too")
         stream_handle(swap_stream)
+        if disk_tier is not None:
+            records = disk_tier.bind(host_tier)  # the last check: refuses another layout, reads nothing then
         self._swap_stream = swap_stream
         self._cache = cache
         self._block_size = cache.block_size()
@@ -121,6 +139,11 @@ class PrefixCache:
         if host_tier is not None:
             self._tiering = HostTiering(host_tier, swap_stream, self._tree, self._policy, cache, self._events,
                                         self._counters)
+        self._disk: DiskTiering | None = None
+        if disk_tier is not None:
+            self._disk = self._tiering.disk = DiskTiering(disk_tier, self._tiering, self._tree, self._events,
+                                                          self._counters)
+            self._disk.restore(records)
         self._closed = False
         self._refresh_on_release = True
         cache.attach_prefix_cache(self)
@@ -162,18 +185,23 @@ class PrefixCache:
             adapter_id = adapter_id_checked(adapter_id)
             tiering = self._check_tier()
             path = self._tree.walk_bytes(data, adapter_id)
-            path, host_path = tiering.split(path) if tiering is not None else (path, [])
+            path, host_path, disk_path = tiering.split(path) if tiering is not None else (path, [], [])
             blocks = [n.block for n in path]
             self._allocator.inc_refs_of_valid(blocks)
             self._policy.touch(path)
             bs = self._block_size
-            self._counters.count_query(len(tokens), len(blocks) * bs, len(host_path) * bs)
+            self._counters.count_query(len(tokens), len(blocks) * bs, len(host_path) * bs, len(disk_path) * bs)
             if tiering is None:
                 found = PrefixMatch(blocks, len(blocks) * bs)
             else:
                 tiering.tier.touch([n.lower for n in reversed(host_path)])  # a parent more recent than its child
                 found = TieredMatch(blocks, len(blocks) * bs)
                 found.host_blocks, found.host_num_tokens = [n.lower for n in host_path], len(host_path) * bs
+                disk = self._disk
+                if disk is not None:
+                    disk.touch(path + host_path + disk_path)
+                    found.disk_blocks = [disk.slot_of[n] for n in disk_path]
+                    found.disk_num_tokens = len(disk_path) * bs
         finally:
             guard.exit()
         if self._events.pending:  # forgetting a released host tier's blocks
@@ -205,13 +233,17 @@ class PrefixCache:
 
     def _reservation(self, whole: list[Node]) -> PrefixMatch:
         tiering = self._tiering
-        path, host_path = tiering.split(whole) if tiering is not None else (whole, [])
+        path, host_path, disk_path = tiering.split(whole) if tiering is not None else (whole, [], [])
         blocks = [node.block for node in path]
         self._allocator.inc_refs_of_valid(blocks)
         found = _Reservation(blocks, len(blocks) * self._block_size)
-        found.open, found.path, found.host_path, found.promoted = True, path, host_path, 0
+        found.open, found.path, found.host_path, found.promoted, found.loaded = True, path, host_path, 0, 0
         found.host_blocks = [node.lower for node in host_path]
         found.host_num_tokens = len(host_path) * self._block_size
+        found.disk_path = disk_path
+        if disk_path:
+            found.disk_blocks = [self._disk.slot_of[n] for n in disk_path]
+            found.disk_num_tokens = len(disk_path) * self._block_size
         return found
 
     def _claim(self, found: PrefixMatch, verb: str) -> None:
@@ -238,7 +270,9 @@ class PrefixCache:
 
     def _confirm_checked(self, queried_tokens: int, found: _Reservation) -> None:
         self._policy.touch([node for node in found.path if node.block is not None])  # a clear() may have dropped some
-        self._counters.count_query(queried_tokens, found.num_tokens, found.promoted * self._block_size)
+        bs = self._block_size
+        self._counters.count_query(queried_tokens, found.num_tokens, (found.promoted - found.loaded) * bs,
+                                   found.loaded * bs)
 
     @guarded
     def cancel(self, found: PrefixMatch) -> None:
@@ -283,7 +317,8 @@ class PrefixCache:
         if root is not None:
             node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block)
         first_new = len(path)
-        path, adopt = tiering.split(path) if tiering is not None else (path, [])  # host nodes on the way: adopted
+        path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
+        adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks
         index = self._by_block
         new_blocks = blocks[first_new - len(adopt) : n_full]
         if len(set(new_blocks)) != len(new_blocks):
@@ -386,9 +421,17 @@ class PrefixCache:
         forget every host-resident block (a BlockRemoved on the CPU) and go on as a
         device-only cache (None)."""
         tiering = self._tiering
-        if tiering is not None and not tiering.tier.is_live():
-            tiering.forget_all()
-            self._tiering = tiering = None
+        if tiering is not None:
+            if not tiering.tier.is_live():
+                tiering.forget_all()
+                self._tiering = tiering = None
+                self._disk = None
+            elif self._disk is not None:
+                if self._disk.disk.is_bound():
+                    self._disk.poll()
+                else:  # the disk tier was closed first: forget its blocks, go on with two tiers
+                    self._disk.forget_all()
+                    tiering.disk = self._disk = None
         return tiering
 
     def host_tier(self) -> "HostTier | None":
@@ -401,19 +444,30 @@ class PrefixCache:
         """How many blocks the cache holds in the host tier."""
         return 0 if self._tiering is None else len(self._tiering.by_host)
 
+    def disk_tier(self) -> "DiskTier | None":
+        """The disk tier below the host tier, or None. Closing the disk tier before the
+        prefix cache is allowed: the next call forgets the disk blocks (the directory keeps
+        them) and the cache goes on with two tiers."""
+        return None if self._disk is None else self._disk.disk
+
+    def num_disk_blocks(self) -> int:
+        """How many cached blocks have a copy in the disk tier (on disk only, or beside a
+        device or host block)."""
+        return 0 if self._disk is None else self._disk.num_blocks()
+
     # -- clearing ----------------------------------------------------------------------
 
     @guarded
     def clear(self) -> None:
         """Forget every cached block, handing back the cache's references (blocks that
-        sequences still hold stay with them)."""
+        sequences still hold stay with them). A disk tier's directory forgets its blocks too."""
         self._clear_checked()
 
-    def _clear_checked(self) -> None:
+    def _clear_checked(self, wipe_disk: bool = True) -> None:
         blocks = list(self._by_block)
         for block in blocks:
             self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
-        hosts = 0 if self._tiering is None else self._tiering.clear()
+        hosts = 0 if self._tiering is None else self._tiering.clear(wipe_disk)
         self._tree.clear()
         self._policy.clear()
         _log.info("prefix_cache_cleared", blocks=len(blocks), host_blocks=hosts)
@@ -424,11 +478,12 @@ class PrefixCache:
     def close(self) -> None:
         """`clear()` and detach from the cache, which then allocates without evicting.
         Afterwards the prefix cache takes nothing: `insert` raises, `match` finds nothing,
-        and a SequenceTable on it offers nothing. A second call does nothing."""
+        and a SequenceTable on it offers nothing. A second call does nothing. A disk tier's
+        directory keeps its blocks (for the next process); close the DiskTier after this."""
         if not self._closed:
             self._closed = True
             try:
-                self._clear_checked()
+                self._clear_checked(wipe_disk=False)
             finally:
                 self._cache.detach_prefix_cache(self)
 
@@ -436,7 +491,8 @@ class PrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         """Counters since construction (see PrefixCacheStats)."""
-        return self._counters.snapshot(len(self._by_block), self.num_host_blocks())
+        disk = None if self._disk is None else self._disk.disk.stats()
+        return self._counters.snapshot(len(self._by_block), self.num_host_blocks(), self.num_disk_blocks(), disk)
 
     def num_cached_blocks(self) -> int:
         """How many blocks the cache holds."""
@@ -465,8 +521,10 @@ class PrefixCache:
         check_lower = tiering.checker() if tiering is not None else _no_lower_tier
         seen = self._tree.check(self._cache.ref_count, check_lower)
         hosts = self.num_host_blocks()
-        if seen != len(self._by_block) + hosts:
-            raise KvCacheError(f"{len(self._by_block)} device and {hosts} host blocks indexed but {seen} in the tree")
+        disk_only = 0 if self._disk is None else self._disk.num_disk_only()
+        if seen != len(self._by_block) + hosts + disk_only:
+            raise KvCacheError(f"{len(self._by_block)} device, {hosts} host and {disk_only} disk-only blocks indexed "
+                               f"but {seen} in the tree")
         if tiering is not None:
             tiering.check_counts()
 

@@ -34,7 +34,16 @@ class PrefixReuse:
         found = prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
         if found.host_blocks:
             prefix._tiering.pin(found)
+        if found.disk_blocks:
+            prefix._disk.pin(found.disk_path)
         return found
+
+    def load(self, found: PrefixMatch) -> None:
+        """Read the disk part of `found` into host blocks (the engine waits for this read):
+        it joins the host part, which `promote` brings to the device. What fails to read is
+        dropped from the match (and the cache)."""
+        if found.disk_blocks:
+            self.prefix._disk.load(found)
 
     def promote(self, found: PrefixMatch, fresh: list[int]) -> None:
         """Bring the host part of `found` into the first of `fresh` (device blocks the table
@@ -54,6 +63,9 @@ class PrefixReuse:
         tiering = self.prefix._tiering
         if tiering is not None:
             tiering.unpin(found)
+        disk = self.prefix._disk
+        if disk is not None and found.disk_blocks:
+            disk.unpin(found.disk_path)
         if found.blocks:
             self.prefix._cancel_checked(found)
 

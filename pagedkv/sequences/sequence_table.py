@@ -160,6 +160,12 @@ class SequenceTable(SequenceExports):
         adapter_id = adapter_id_checked(adapter_id)
         reuse = self._reuse
         found = reuse.reserve(data, n, adapter_id) if reuse is not None else PrefixMatch([], 0)
+        if found.disk_blocks:
+            try:
+                reuse.load(found)  # disk -> host; blocks read stay in the host tier whatever follows
+            except BaseException:
+                reuse.cancel(found)
+                raise
         blocks, matched = found
         hosted = len(found.host_blocks)  # host-tier blocks to promote into fresh device blocks
         try:

@@ -11,7 +11,11 @@ class PrefixCacheStats:
     both tiers), the hit rate (hit / queried tokens, 0.0 before any query), device blocks
     now cached, device blocks evicted (demoted or dropped); per tier: tokens found in device
     blocks and in host blocks, host blocks now cached, blocks demoted to the host tier,
-    promoted back, and dropped from it."""
+    promoted back, and dropped from it; with a disk tier: tokens found on disk, blocks with a
+    disk copy now, blocks given a disk copy (queued for writing), read back from disk, and
+    disk copies dropped for room; and the disk tier's degradations: writes skipped (its
+    queue full), writes failed (disk full, I/O error), reads dropped (a checksum mismatch
+    or an I/O error), each of which only made a block "not cached"."""
 
     queries: int
     queried_tokens: int
@@ -25,30 +29,42 @@ class PrefixCacheStats:
     demotions: int = 0
     promotions: int = 0
     host_evictions: int = 0
+    disk_hit_tokens: int = 0
+    disk_cached_blocks: int = 0
+    disk_demotions: int = 0
+    disk_promotions: int = 0
+    disk_evictions: int = 0
+    disk_skipped_writes: int = 0
+    disk_failed_writes: int = 0
+    disk_failed_reads: int = 0
 
 
 class PrefixCounters:
     """What a prefix cache has done since it was made; the parts (eviction, tiering) add
     to the fields they own. They outlive a released host tier."""
 
-    __slots__ = ("queries", "queried_tokens", "device_hits", "host_hits", "evictions", "demotions", "promotions",
-                 "host_drops")
+    __slots__ = ("queries", "queried_tokens", "device_hits", "host_hits", "disk_hits", "evictions", "demotions",
+                 "promotions", "host_drops", "disk_stores", "disk_loads", "disk_drops")
 
     def __init__(self):
-        self.queries = self.queried_tokens = self.device_hits = self.host_hits = 0
+        self.queries = self.queried_tokens = self.device_hits = self.host_hits = self.disk_hits = 0
         self.evictions = self.demotions = self.promotions = self.host_drops = 0
+        self.disk_stores = self.disk_loads = self.disk_drops = 0
 
-    def count_query(self, queried_tokens: int, device_hits: int, host_hits: int = 0) -> None:
+    def count_query(self, queried_tokens: int, device_hits: int, host_hits: int = 0, disk_hits: int = 0) -> None:
         """One lookup of `queried_tokens` tokens that found `device_hits` tokens in device
-        blocks and `host_hits` more in host blocks."""
+        blocks, `host_hits` more in host blocks and `disk_hits` more on disk."""
         self.queries += 1
         self.queried_tokens += queried_tokens
         self.device_hits += device_hits
         self.host_hits += host_hits
+        self.disk_hits += disk_hits
 
-    def snapshot(self, cached_blocks: int, host_cached_blocks: int) -> PrefixCacheStats:
-        """The counters as a PrefixCacheStats, with the current block counts."""
-        hits = self.device_hits + self.host_hits
+    def snapshot(self, cached_blocks: int, host_cached_blocks: int, disk_cached_blocks: int = 0,
+                 disk: object = None) -> PrefixCacheStats:
+        """The counters as a PrefixCacheStats, with the current block counts and the disk
+        tier's `DiskTierStats` (or None)."""
+        hits = self.device_hits + self.host_hits + self.disk_hits
         return PrefixCacheStats(
             queries=self.queries,
             queried_tokens=self.queried_tokens,
@@ -62,4 +78,12 @@ class PrefixCounters:
             demotions=self.demotions,
             promotions=self.promotions,
             host_evictions=self.host_drops,
+            disk_hit_tokens=self.disk_hits,
+            disk_cached_blocks=disk_cached_blocks,
+            disk_demotions=self.disk_stores,
+            disk_promotions=self.disk_loads,
+            disk_evictions=self.disk_drops,
+            disk_skipped_writes=getattr(disk, "skipped_writes", 0),
+            disk_failed_writes=getattr(disk, "failed_writes", 0),
+            disk_failed_reads=getattr(disk, "failed_reads", 0),
         )

@@ -50,13 +50,19 @@ class HostTiering:
         self._events = events
         self._counts = counts
         self._block_size = tree.block_size
+        self.disk = None  # the DiskTiering below, when the prefix cache has a disk tier
 
-    def split(self, path: list[Node]) -> tuple[list[Node], list[Node]]:
-        """(device nodes, host nodes) of a path: by the tier invariant the device ones come first."""
+    def split(self, path: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
+        """(device nodes, host nodes, disk-only nodes) of a path: by the tier invariant
+        they come in that order."""
         i = 0
-        while i < len(path) and path[i].block is not None:
+        n = len(path)
+        while i < n and path[i].block is not None:
             i += 1
-        return path[:i], path[i:]
+        j = i
+        while j < n and path[j].lower is not None:
+            j += 1
+        return path[:i], path[i:j], path[j:]
 
     def demote(self, chosen: Chosen) -> list[int]:
         """Evict the chosen device leaves into the host tier: room is made by dropping the
@@ -74,6 +80,10 @@ class HostTiering:
         hosts = tier.alloc(len(demoted))
         try:
             tier.swap_out([n.block for n in demoted], hosts, self.swap_stream).wait()
+        except ValueError as err:  # a tier format refused the values (NaN/inf on the host codecs): drop them
+            tier.free(hosts)
+            _log.warning("prefix_cache_demotion_refused", blocks=len(demoted), error=str(err))
+            dropped, demoted, hosts = nodes, [], []
         except BaseException:
             tier.free(hosts)
             self._policy.unselect(chosen)
@@ -85,6 +95,8 @@ class HostTiering:
         for node in dropped:
             self.drop_subtree(node)
             tree.remove_leaf(node)
+        if dropped and self.disk is not None:
+            self.disk.forget(dropped)
         for node, host in zip(demoted, hosts):
             tree.leave_device(node, host)
             self.by_host[host] = node
@@ -99,18 +111,43 @@ class HostTiering:
         return blocks
 
     def drop(self, n: int) -> None:
-        """Drop up to `n` host-resident leaves, least recently used first (pinned ones kept)."""
+        """Free up to `n` host blocks of host-resident leaves (no child in the host tier),
+        least recently used first (pinned ones kept). With a disk tier each becomes
+        disk-only (a copy queued for writing unless it has one); the others leave the tree."""
         gone: list[Node] = []
+        picked: set[int] = set()
         by_host, pinned = self.by_host, self._pinned
         for host in self.tier.oldest():  # the LRU is left alone until the loop is done
             if len(gone) == n:
                 break
             node = by_host[host]
-            if node.children or id(node) in pinned:
-                continue
-            del node.parent.children[node.key]  # its parent, more recent, comes later in the LRU
+            if id(node) in pinned or any(c.lower is not None and id(c) not in picked for c in node.children.values()):
+                continue  # its parent, more recent, comes later in the LRU
             gone.append(node)
-        self._forget(gone)
+            picked.add(id(node))
+        if not gone:
+            return
+        disk = self.disk
+        kept = disk.store(gone, lambda node: self.tier.block_rows(node.lower)) if disk is not None else set()
+        lost = [node for node in gone if id(node) not in kept]
+        for node in lost:
+            del node.parent.children[node.key]
+        hosts = [node.lower for node in gone]
+        for node in gone:
+            del by_host[node.lower]
+            node.lower = None
+        self.tier.free(hosts)
+        self._counts.host_drops += len(gone)
+        if self._events.consumer is not None:
+            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in gone), block_ids=tuple(hosts), medium="CPU"))
+        if disk is not None:
+            for node in lost:  # its disk-only descendants went with it
+                stack, below = list(node.children.values()), []
+                while stack:
+                    child = stack.pop()
+                    stack.extend(child.children.values())
+                    below.append(child)
+                disk.forget(below)
 
     def drop_subtree(self, node: Node) -> None:
         """Drop every host-resident descendant of `node` (whose device children are gone)."""
@@ -123,34 +160,42 @@ class HostTiering:
         self._forget(gone)
 
     def _forget(self, nodes: list[Node]) -> None:
+        """`nodes` leave the tree: free their host blocks and disk copies."""
         if not nodes:
             return
-        hosts = [n.lower for n in nodes]
-        for node in nodes:
+        on_host = [n for n in nodes if n.lower is not None]
+        hosts = [n.lower for n in on_host]
+        for node in on_host:
             del self.by_host[node.lower]
             node.lower = None
         self.tier.free(hosts)
-        self._counts.host_drops += len(nodes)
-        if self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
+        self._counts.host_drops += len(on_host)
+        if on_host and self._events.consumer is not None:
+            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in on_host), block_ids=tuple(hosts), medium="CPU"))
+        if self.disk is not None:
+            self.disk.forget(nodes)
 
     def to_device(self, nodes: list[Node], blocks: list[int], after=None) -> None:
         """Make host-resident `nodes` (a chain, parent first) device-resident in `blocks`
         (held by the caller, who adds the cache's reference); their host blocks are freed
         once `after` (the swap reading them, if any) is done. An error polling `after`
         propagates with nothing changed."""
-        hosts = [n.lower for n in nodes]
+        on_host = [n for n in nodes if n.lower is not None]  # the others are disk-only (an insert adopting them)
+        hosts = [n.lower for n in on_host]
         self.tier.free(hosts, after=after)  # first: if polling `after` fails, nothing has changed
         tree, by_host = self._tree, self.by_host
         for node, block in zip(nodes, blocks):
-            del by_host[node.lower]
+            if node.lower is not None:
+                del by_host[node.lower]
             tree.enter_device(node, block)
-        if self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
+        if on_host and self._events.consumer is not None:
+            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in on_host), block_ids=tuple(hosts), medium="CPU"))
 
     def forget_all(self) -> None:
         """The host tier was released: forget every host-resident node (one BlockRemoved
         on the CPU); the cache goes on device-only."""
+        if self.disk is not None:
+            self.disk.forget_all()
         nodes = list(self.by_host.values())
         for node in nodes:
             node.parent.children.pop(node.key, None)
@@ -163,9 +208,12 @@ class HostTiering:
         if nodes and self._events.consumer is not None:
             self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
 
-    def clear(self) -> int:
-        """Free every host block (while the tier is live) and forget the host nodes;
-        returns how many there were. No event: the caller reports the clear."""
+    def clear(self, wipe_disk: bool = True) -> int:
+        """Free every host block (while the tier is live) and forget the host nodes and disk
+        copies (with `wipe_disk`, the directory forgets them too); returns how many host
+        blocks there were. No event: the caller reports the clear."""
+        if self.disk is not None:
+            self.disk.clear() if wipe_disk else self.disk.forget_all()
         hosts = list(self.by_host)
         if hosts and self.tier.is_live():
             self.tier.free(hosts)
@@ -211,12 +259,19 @@ class HostTiering:
         rank = {host: i for i, host in enumerate(self.tier.lru_blocks())}
         tier, by_host = self.tier, self.by_host
 
+        disk = self.disk
+
         def check_lower(node: Node) -> None:
+            if node.lower is None and disk is not None:
+                disk.check_lower(node)
+                return
             if node.lower is None or by_host.get(node.lower) is not node:
                 raise KvCacheError(f"a node with neither a device nor an indexed host block (host {node.lower})")
             if not tier.is_cached(node.lower):
                 raise KvCacheError(f"host block {node.lower} is in the tree but not in the host tier's LRU")
             parent = node.parent
+            if parent.block is None and parent.lower is None:
+                raise KvCacheError(f"host block {node.lower} sits under a disk-only node")
             if parent.block is None and rank[parent.lower] < rank[node.lower]:
                 raise KvCacheError(f"host block {parent.lower} is older than its child {node.lower} in the LRU")
 

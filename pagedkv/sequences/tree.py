@@ -133,6 +133,17 @@ class RadixTree:
         parent.n_dev = 0  # the last new node has no children
         return made
 
+    def attach(self, parent: Node, key: bytes) -> Node:
+        """A new node under `parent` holding the tokens `key` (int64 bytes of one block) that
+        lives off the device (`block` None, `lower` None until the tiering part sets it),
+        with its chained hash; returns it. ValueError when `parent` already has that child."""
+        if key in parent.children:
+            raise ValueError("the parent already has a child with these tokens")
+        digest = chain_digest(parent.hash.to_bytes(8, "little"), key)
+        node = Node(key, None, int.from_bytes(digest, "little"), parent, parent.adapter_id)  # type: ignore[arg-type]
+        parent.children[key] = node
+        return node
+
     def remove_leaf(self, node: Node) -> None:
         """Take a device leaf out of the tree and the index (its block is None after)."""
         parent = node.parent

@@ -89,9 +89,15 @@ class HostTier:
     """Host blocks with the layout of `cache`'s pools, on `gpu` (the cache's backend, which
     must state "host_tier": BackendFeatureMissing otherwise). Construction is all or
     nothing: a failed allocation frees what was allocated. `release(gpu)` frees the memory.
-    One thread at a time, like the cache it serves."""
+    One thread at a time, like the cache it serves.
 
-    def __init__(self, cache: PagedKvCache, num_blocks: int, gpu: GpuBackend):
+    `format` (a format name, or one per layer with None for a layer's own) stores host
+    blocks in a smaller pagedkv format, encoded on the device before the copy and decoded
+    after it (`tier_codec.TierCodec`, with `staging_blocks` blocks of device staging): fewer
+    host bytes and less PCIe traffic, at the error `pagedkv quality --tier` reports."""
+
+    def __init__(self, cache: PagedKvCache, num_blocks: int, gpu: GpuBackend, format: Any = None,
+                 staging_blocks: int = 64):
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         require(gpu, "host_tier", "HostTier")
@@ -109,11 +115,20 @@ class HostTier:
         self._strides = regions.strides.astype(np.int64).copy()
         self._nbytes = regions.nbytes.astype(np.int64).copy()
         self._memories: list[Any] = []  # one per region row; kept while a free fails
+        self._codec = None
+        if format is not None:
+            from .tier_codec import TierCodec
+
+            self._codec = TierCodec(cache, format, gpu, positive_int(staging_blocks, "staging_blocks"))
+            self._strides = np.array(self._codec.host_strides(cache), dtype=np.int64)
+            self._nbytes = self._strides.copy()
         try:
             for stride in self._strides.tolist():
                 self._memories.append(gpu.alloc_swap_memory(self._num_blocks * stride))
         except BaseException:
             self._free_memories(raise_first=False)
+            if self._codec is not None:
+                self._codec.release(gpu)
             raise
         self._host_bases = np.array([m.address for m in self._memories], dtype=np.int64)
         self._free: list[int] = list(range(self._num_blocks))  # a min-heap
@@ -149,6 +164,30 @@ class HostTier:
     def is_live(self) -> bool:
         """True until `release`."""
         return self._live
+
+    def format_name(self) -> str | None:
+        """The pagedkv format host blocks are stored in when it is not the device's (None:
+        the device pools' own bytes)."""
+        return None if self._codec is None else self._codec.name()
+
+    def rows(self) -> list[dict]:
+        """What one host block holds, row by row (the region table's order): layer, side,
+        side format, dims and stride (what a disk tier's layout records)."""
+        config = self._cache.config() if self._codec is None else self._codec.config
+        out = []
+        for layer in range(config.num_layers):
+            heads, head_dim = config.dims_for_layer(layer)
+            k_fmt, v_fmt = config.dtype_for_layer(layer).kv_pair()
+            sides = (("K", k_fmt),) if config.v_aliases_k else (("K", k_fmt), ("V", v_fmt))
+            for side, fmt in sides:
+                out.append({"layer": layer, "side": side, "dtype": str(fmt), "num_kv_heads": heads,
+                            "head_dim": head_dim, "stride": int(self._strides[self._cache.region_index(layer, side)])})
+        return out
+
+    def block_rows(self, block: int) -> list[np.ndarray]:
+        """Writable views of host block `block`'s bytes, one per row (no copy; valid until
+        `release`). Wait for the swap that writes it before reading them."""
+        return [m.array[block * s : (block + 1) * s] for m, s in zip(self._memories, self._strides.tolist())]
 
     # -- free list ----------------------------------------------------------------------
 
@@ -279,6 +318,10 @@ class HostTier:
         gpu = self._gpu
         if not device:
             return SwapHandle(gpu, None, 0)
+        if self._codec is not None:
+            self._wait_for(after, stream)
+            self._codec.swap(device, host, self._host_bases, self._strides, stream, to_host)
+            return SwapHandle(gpu, gpu.record_event(stream), len(device))
         device_addr, host_addr, sizes = self.descriptors(device, host)
         dsts, srcs = (host_addr, device_addr) if to_host else (device_addr, host_addr)
         self._wait_for(after, stream)
@@ -384,6 +427,9 @@ class HostTier:
             self._live = False
             self._lru.clear()
             self._free = []
+        if self._codec is not None:
+            self._codec.release(gpu)
+            self._codec = None
         self._free_memories(raise_first=True)
 
     def _free_memories(self, raise_first: bool) -> None:

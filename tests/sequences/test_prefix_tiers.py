@@ -374,7 +374,7 @@ def test_the_readme_host_tier_example_runs():
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("## Host tier"):readme.index("## CUDA backend")]
+    section = readme[readme.index("## Host tier"):readme.index("## Disk tier")]
     (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
