@@ -3,8 +3,8 @@
 and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GPU ones.
 
 Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
-bench_kv.py, bench_quality.py, bench_elastic.py, bench_transfer.py, bench_tier.py,
-bench_disk.py); each exposes
+bench_kv.py, bench_quality.py, bench_elastic.py, bench_transfer.py, bench_tier.py, bench_disk.py,
+bench_step.py, bench_model.py); each exposes
 `run(args) -> None` and prints its own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
@@ -36,6 +36,8 @@ SECTIONS = {
     "elastic": ("bench_elastic", False),
     "transfer": ("bench_transfer", False),
     "disk": ("bench_disk", False),
+    "step": ("bench_step", False),
+    "model": ("bench_model", False),
     "gpu": ("bench_gpu", True),
     "kv": ("bench_kv", True),
     "tier": ("bench_tier", True),

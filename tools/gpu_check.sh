@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU: the cuda-marked tests, then the GPU
-# benchmark section. Installs nothing from the network: wheels the machine lacks
+# One command for a machine with an NVIDIA GPU: the cuda-marked tests, then every GPU
+# benchmark section with its floors (issue 19's among them), the decode step's host time on
+# the real driver, the traffic model's table beside them (what the CPU predicted), and, when
+# Nsight Compute is installed, its sector and occupancy counters of the KV kernels. Installs nothing from the network: wheels the machine lacks
 # (structlog, hypothesis) are taken from ./.whl when that directory exists; pytest-xdist is
 # not needed (-o addopts="" runs the tests in one process). The repository
 # root goes on PYTHONPATH, so no install of pagedkv itself is needed. Exit status is
@@ -36,4 +38,14 @@ echo "== tools/bench.py --gpu =="
 strict=()
 if grep -q -- '--strict' tools/bench.py; then strict=(--strict); fi  # bench.py with tools/floors.py
 timeout 300 "$PYTHON" tools/bench.py --gpu "${strict[@]}" || status=$?
+echo "== tools/bench.py --gpu --section step (host time of a decode step, real driver) =="
+timeout 120 "$PYTHON" tools/bench.py --gpu --section step "${strict[@]}" || status=$?
+echo "== tools/bench.py --section model (the CPU traffic model: compare with the figures above) =="
+timeout 600 "$PYTHON" tools/bench.py --section model --quick || true
+if command -v ncu > /dev/null; then
+    echo "== ncu: sector efficiency, bytes in flight and occupancy of the KV and checksum kernels =="
+    timeout 300 ncu --kernel-name regex:'pagedkv_(kv|reduce)' --launch-count 24 \
+        --metrics l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum,l1tex__t_requests_pipe_lsu_mem_global_op_st.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        "$PYTHON" tools/bench.py --gpu --section kv --quick || true
+fi
 exit "$status"

@@ -52,6 +52,13 @@ _BOUND = (
 )
 
 
+def _wait_list(items, what: str) -> list:
+    """`items` (streams or events to wait for) as a list; TypeError naming `what` otherwise."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of {what}, got {type(items).__name__} {items!r:.60}")
+    return list(items)
+
+
 class PagedKvCache(CacheGeometry):
     """A paged KV cache: for every layer a K pool and a V pool of `num_blocks` blocks, and a
     reference count per block. See `BlockAllocator` for the bookkeeping contract.
@@ -212,17 +219,29 @@ class PagedKvCache(CacheGeometry):
             return elastic.mapped_bytes()
         return self._config.block_bytes_kv_all_layers() * self._allocator.num_blocks()
 
-    def shrink(self, gpu: GpuBackend) -> int:
+    def shrink(self, gpu: GpuBackend, streams: Sequence = (), events: Sequence = ()) -> int:
         """Unmap and release, in every pool, the memory of whole steps at the tail that no
         block uses (count 0); returns the bytes given back (0 for a cache that is not
-        elastic), after every stream of `gpu` has finished its queued work. `gpu` must be
-        the cache's backend (KvCacheError otherwise). A backend error is raised after every
-        pool was attempted, with what stayed mapped recorded. A host array or DLPack export
-        taken of an elastic pool before the shrink must not be used after it (on a GPU its
-        unmapped part faults; a HostBackend export does not see the unmap)."""
+        elastic). It first waits for each of `streams` (a stream of `gpu`, or another
+        library's stream: an int handle or an object with `__cuda_stream__`) and each of
+        `events` (handles from `gpu.record_event`), then for every stream of `gpu`: work
+        another library enqueued on the pools (an attention kernel on a torch stream) is only
+        waited for when its stream or an event after it is given here; unmapping under it
+        faults the device and loses the context. `gpu` must be the cache's backend
+        (KvCacheError otherwise). A backend error is raised after every pool was attempted,
+        with what stayed mapped recorded. A host array or DLPack export taken of an elastic
+        pool before the shrink must not be used after it (on a GPU its unmapped part faults;
+        a HostBackend export does not see the unmap)."""
         self._pools.check_backend(gpu)
+        streams, events = _wait_list(streams, "streams"), _wait_list(events, "events")
+        if events and not callable(getattr(gpu, "wait_event", None)):
+            raise TypeError(f"events given, but {type(gpu).__name__} has no wait_event")
         if not self._elastic or self._allocator.released():
             return 0
+        for stream in streams:
+            gpu.synchronize(stream)
+        for event in events:
+            gpu.wait_event(event)
         gpu.synchronize_all()  # queued work may still touch the tail about to be unmapped
         before = self.mapped_bytes()
         try:
@@ -378,6 +397,13 @@ class PagedKvCache(CacheGeometry):
             nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr),
             check_blocks=self._allocator.check_writable)
 
+    def plan_layer_reads(self, layers, out_k, out_v, gpu: GpuBackend, unrotate: bool = True, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> kv_prefill.LayerReadPlan:
+        """A `pagedkv.kv_prefill.LayerReadPlan`: the reads of `layers` into the device outputs
+        `out_k[i]`, `out_v[i]`, each `plan.read(slots, stream)` one launch on CudaBackend (a
+        `read_tokens` per layer elsewhere); `plan.close()` frees its device table."""
+        return kv_prefill.LayerReadPlan(self._pools, layers, out_k, out_v, gpu, unrotate, k_scale, v_scale)
+
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
                     k_scale: float = 1.0, v_scale: float = 1.0, *, out_k=None, out_v=None,
                     stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -389,7 +415,10 @@ class PagedKvCache(CacheGeometry):
     def take_nonfinite_inputs(self, gpu: GpuBackend, stream: int) -> int:
         """How many NaN/inf input values device writes met since the last call (waits for
         `stream`), reset to 0 by this call and logged as a `kv_nonfinite_inputs` warning when
-        not 0. Always 0 on a backend without device writes: the host path refuses them."""
+        not 0. Always 0 on a backend without device writes: the host path refuses them.
+        Under METRALE_KV_TRACE=1 each device write first checks its slots on the device, and
+        this call raises `pagedkv.kv_device.DuplicateSlotError` naming a slot two tokens of
+        one write named (host slots are always checked, before anything is written)."""
         if self._nonfinite is None:
             return 0
         count = self._nonfinite.take(gpu, stream)

@@ -117,7 +117,7 @@ class BlockKernels:
         limits = self._block_limits(regions)
         ptr = self.alloc(table.nbytes)
         try:
-            self.copy_h2d(table, ptr)
+            self._upload_private(table, ptr)
         except BaseException:
             self.free(ptr)
             raise
@@ -125,6 +125,22 @@ class BlockKernels:
         with self._lock:
             self._region_limits[int(ptr)] = limits
         return regions
+
+    def _upload_private(self, host: np.ndarray, ptr: DevicePtr) -> None:
+        """Copy `host` to `ptr` through pinned memory on a stream of its own, waited for: no
+        synchronous copy on the legacy default stream (it would serialise every blocking
+        stream and invalidate another thread's global-mode graph capture)."""
+        pinned = self.alloc_pinned(host.nbytes)
+        try:
+            pinned.array[:] = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+            stream = self.create_stream()
+            try:
+                self.copy_h2d_async(pinned, ptr, stream)
+                self.synchronize(stream)
+            finally:
+                self.destroy_stream(stream)
+        finally:
+            pinned.free()
 
     def _block_limits(self, regions: BlockRegions) -> np.ndarray:
         """Per row, the number of blocks it has room for inside its allocation (rows outside

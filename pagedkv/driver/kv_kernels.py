@@ -51,7 +51,7 @@ _SIDE_FIELDS = [
 ]
 
 
-def _fields(*, counter: bool) -> list:
+def _fields() -> list:
     head = [
         ("slots", ctypes.c_uint64),
         ("num_tokens", ctypes.c_int32),
@@ -60,41 +60,29 @@ def _fields(*, counter: bool) -> list:
         ("block_size", ctypes.c_int32),
         ("limit", ctypes.c_int64),
         ("inv_sqrt_n", ctypes.c_float),
+        ("nonfinite", ctypes.c_uint64),
     ]
-    if counter:
-        head.append(("nonfinite", ctypes.c_uint64))
-    return head + [(f"k_{n}", t) for n, t in _SIDE_FIELDS] + [(f"v_{n}", t) for n, t in _SIDE_FIELDS]
+    tail = [("layers", ctypes.c_uint64), ("num_layers", ctypes.c_int32)]
+    return head + [(f"k_{n}", t) for n, t in _SIDE_FIELDS] + [(f"v_{n}", t) for n, t in _SIDE_FIELDS] + tail
 
 
 class KvWriteArgs(ctypes.Structure):
-    """Parameters of `pagedkv_kv_write` (kv_rows.cu)."""
+    """Parameters of `pagedkv_kv_write` / `pagedkv_kv_write16` (kv_rows.cu): one layer's sides
+    inline (`num_layers` 0) or a device layer table."""
 
-    _fields_ = _fields(counter=True)
+    _fields_ = _fields()
 
 
 class KvReadArgs(ctypes.Structure):
-    """Parameters of `pagedkv_kv_read` (kv_rows.cu)."""
+    """Parameters of `pagedkv_kv_read` / `pagedkv_kv_read16` (kv_rows.cu), laid out as
+    KvWriteArgs (`nonfinite` unused)."""
 
-    _fields_ = _fields(counter=False)
-
-
-class KvWriteLayersArgs(ctypes.Structure):
-    """Parameters of `pagedkv_kv_write_layers` (kv_rows.cu)."""
-
-    _fields_ = [
-        ("layers", ctypes.c_uint64),
-        ("num_layers", ctypes.c_int32),
-        ("slots", ctypes.c_uint64),
-        ("num_tokens", ctypes.c_int32),
-        ("block_size", ctypes.c_int32),
-        ("limit", ctypes.c_int64),
-        ("nonfinite", ctypes.c_uint64),
-    ]
+    _fields_ = _fields()
 
 
 class KvLayerSide(ctypes.Structure):
-    """One side of one layer in the device table of `pagedkv_kv_write_layers` (struct
-    KvLayerSide in kv_rows.cu)."""
+    """One side of one layer in the device layer table of `pagedkv_kv_write` / `_read`
+    (struct KvLayerSide in kv_rows.cu)."""
 
     _fields_ = [
         ("pool", ctypes.c_uint64),
@@ -111,7 +99,7 @@ class KvLayerSide(ctypes.Structure):
 
 
 class KvLayer(ctypes.Structure):
-    """One layer of the device table of `pagedkv_kv_write_layers` (struct KvLayer in kv_rows.cu)."""
+    """One layer of the device layer table of `pagedkv_kv_write` / `_read` (struct KvLayer in kv_rows.cu)."""
 
     _fields_ = [
         ("heads", ctypes.c_int32),
@@ -122,8 +110,62 @@ class KvLayer(ctypes.Structure):
     ]
 
 
+class KvCheckSlotsArgs(ctypes.Structure):
+    """Parameters of `pagedkv_kv_check_slots` (kv_rows.cu)."""
+
+    _fields_ = [
+        ("slots", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_int32),
+        ("limit", ctypes.c_int64),
+        ("duplicate", ctypes.c_uint64),
+    ]
+
+
 KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS),
-                ("pagedkv_kv_write_layers", KvWriteLayersArgs, KV_THREADS)]
+                ("pagedkv_kv_write16", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read16", KvReadArgs, KV_THREADS),
+                ("pagedkv_kv_check_slots", KvCheckSlotsArgs, KV_THREADS)]
+"""(kernel name, argument structure, threads per CTA) of kv_rows.cu's row kernels; the `16`
+ones take bf16 and fp8 sides only (fewer registers, more CTAs an SM)."""
+
+WARPS = KV_THREADS // 32
+
+_NO_INLINE_LAYER = {"heads": 0, "head_dim": 0, "inv_sqrt_n": 0.0,
+                    **{f"{p}_{n}": (-1 if n in ("fmt", "first", "last") else (1.0 if n == "scale" else 0))
+                       for p in "kv" for n, _ in _SIDE_FIELDS}}
+"""The inline layer fields of a layer-table launch (unused by the kernel)."""
+_ROWS16 = frozenset((0, 1, -1))  # FMT_BF16, FMT_FP8, a skipped side
+
+
+def side_units(fmt: int, heads: int, head_dim: int, first: int, tokens: int) -> int:
+    """Warp units of one side of a launch (kv_rows.cu's side_units): what sizes the grid."""
+    if fmt < 0:
+        return 0
+    n = heads * head_dim
+    if fmt <= 1:
+        return (tokens * ((n + 15) // 16) + 31) // 32
+    if first >= 0:
+        return tokens * heads
+    return (tokens * (n // 16) + 31) // 32
+
+
+def layers_units(table: "ctypes.Array") -> tuple[int, int]:
+    """(per token, fixed): an upper bound of the warp units of a layer-table launch of t tokens
+    is per_token * t + fixed (each flat side rounds up once)."""
+    per_token, fixed = 0, 0
+    for entry in table:
+        n = entry.heads * entry.head_dim
+        for side in entry.side:
+            if side.fmt < 0:
+                continue
+            if side.fmt <= 1:
+                per_token += -(-n // 16)
+                fixed += 1
+            elif side.first >= 0:
+                per_token += 32 * entry.heads
+            else:
+                per_token += n // 16
+                fixed += 1
+    return -(-per_token // 32), fixed
 """(kernel name, argument structure, threads per CTA) of kv_rows.cu's row kernels."""
 
 
@@ -232,37 +274,134 @@ class KvKernels:
             )
         return {f"{prefix}_{k}": v for k, v in fields.items()}
 
-    def kv_layer_table(self, layers) -> bytes:
-        """The device table of `kv_write_layers`: for each layer of `layers`, (heads,
-        head_dim, K side, V side) as KvSideArgs of the rows to write (a side with fmt None
-        is not touched), packed as kv_rows.cu's KvLayer array."""
+    def kv_layer_table(self, layers, reading: bool = False) -> bytes:
+        """The device table of `kv_write_layers` (`kv_read_layers` when `reading`): for each
+        layer of `layers`, (heads, head_dim, K side, V side) as KvSideArgs of the rows to write
+        (or the output rows to decode into; a side with fmt None is not touched), packed as
+        kv_rows.cu's KvLayer array."""
+        return bytes(self._layer_table(layers, reading))
+
+    def _layer_table(self, layers, reading: bool):
         table = (KvLayer * len(layers))()
         for entry, (heads, head_dim, k, v) in zip(table, layers):
             entry.heads, entry.head_dim, entry.inv_sqrt_n = heads, head_dim, _inv_sqrt_n(head_dim)
             for i, (prefix, side) in enumerate((("k", k), ("v", v))):
-                fields = self._side_fields(prefix, side, head_dim, False)
+                fields = self._side_fields(prefix, side, head_dim, reading)
                 target = entry.side[i]
                 target.pool, target.block_stride = fields[f"{prefix}_pool"], fields[f"{prefix}_block_stride"]
                 target.rows, target.row_stride = fields[f"{prefix}_rows"], fields[f"{prefix}_row_stride"]
                 target.fmt, target.bf16, target.scale = fields[f"{prefix}_fmt"], fields[f"{prefix}_bf16"], fields[f"{prefix}_scale"]
                 target.first, target.last = fields[f"{prefix}_first"], fields[f"{prefix}_last"]
-        return bytes(table)
+        return table
+
+    def kv_layer_launch(self, table_bytes: bytes) -> tuple[bool, int, int]:
+        """(bf16/fp8 sides only, units per token, fixed units) of a layer table's bytes: what
+        `kv_write_layers` / `kv_read_layers` take to pick their kernel and size the grid."""
+        table = (KvLayer * (len(table_bytes) // ctypes.sizeof(KvLayer))).from_buffer_copy(table_bytes)
+        rows16 = all(side.fmt in _ROWS16 for entry in table for side in entry.side)
+        per_token, fixed = layers_units(table)
+        return rows16, per_token, fixed
 
     def kv_write_layers(self, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
-                        block_size: int, limit: int, stream: int, nonfinite: int = 0) -> None:
+                        block_size: int, limit: int, stream: int, nonfinite: int = 0,
+                        launch: tuple[bool, int, int] | None = None) -> None:
         """Enqueue on `stream` one launch writing `num_tokens` rows of each of the
         `num_layers` layers of the device table at `table` (`kv_layer_table`'s bytes, in
         this backend's memory) into the slots at `slots`, as `kv_write_rows` does per layer.
-        Nothing is checked on the device."""
+        `launch` is `kv_layer_launch` of the table (None: the every-format kernel at the
+        grid's most CTAs). Nothing is checked on the device."""
+        self._layers_launch("pagedkv_kv_write", table, num_layers, slots, num_tokens, block_size, limit,
+                            stream, launch, int(nonfinite))
+
+    def kv_read_layers(self, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
+                       block_size: int, limit: int, stream: int, launch: tuple[bool, int, int] | None = None) -> None:
+        """Enqueue on `stream` one launch decoding the `num_tokens` slots at `slots` of each of
+        the `num_layers` layers of the device table at `table` (`kv_layer_table(...,
+        reading=True)`'s bytes) into each layer's output rows (a slot outside 0..limit-1
+        gives zeros). `launch` as for `kv_write_layers`."""
+        self._layers_launch("pagedkv_kv_read", table, num_layers, slots, num_tokens, block_size, limit,
+                            stream, launch, 0)
+
+    def _layers_launch(self, name: str, table, num_layers: int, slots, num_tokens: int, block_size: int, limit: int,
+                       stream, launch, nonfinite: int) -> None:
         handle = self._stream(stream)
         if num_tokens == 0 or num_layers == 0:
             return
+        rows16, per_token, fixed = launch if launch is not None else (False, 1 << 30, 0)
+        if rows16:
+            name += "16"
+        units = per_token * num_tokens + fixed
         with self._lock:
             self._enter()
-            name = "pagedkv_kv_write_layers"
             self._launchers[name].launch(
-                self._grid(name, 2 * num_tokens * num_layers), handle, layers=int(table), num_layers=num_layers,
-                slots=int(slots), num_tokens=num_tokens, block_size=block_size, limit=limit, nonfinite=int(nonfinite))
+                self._grid(name, -(-units // WARPS)), handle, **_NO_INLINE_LAYER, layers=int(table),
+                num_layers=num_layers, slots=int(slots), num_tokens=num_tokens, block_size=block_size, limit=limit,
+                nonfinite=nonfinite)
+
+    def _kv_prepare(self, name: str, slots: int, num_tokens: int, heads: int, head_dim: int, block_size: int,
+                    limit: int, k: KvSideArgs, v: KvSideArgs, extra: dict) -> "PreparedLaunch | None":
+        """The launch `_kv_launch` would enqueue, prepared (None for 0 tokens)."""
+        if num_tokens == 0:
+            return None
+        inv_sqrt_n = _inv_sqrt_n(head_dim)
+        fields = dict(
+            slots=int(slots), num_tokens=num_tokens, heads=heads, head_dim=head_dim, block_size=block_size,
+            limit=limit, inv_sqrt_n=inv_sqrt_n, **extra,
+            **self._side_fields("k", k, head_dim, name.endswith("read")),
+            **self._side_fields("v", v, head_dim, name.endswith("read")),
+        )
+        if fields["k_fmt"] in _ROWS16 and fields["v_fmt"] in _ROWS16:
+            name += "16"
+        units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens)
+                 + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens))
+        from .launch import PreparedLaunch  # not at import: pagedkv.kv_device imports this module
+
+        return PreparedLaunch(self, self._launchers[name], self._grid(name, -(-units // WARPS)),
+                              dict(fields, layers=0, num_layers=0))
+
+    def kv_prepare_write(self, slots: DevicePtr, num_tokens: int, heads: int, head_dim: int, block_size: int,
+                         limit: int, k: KvSideArgs, v: KvSideArgs, nonfinite: int = 0) -> "PreparedLaunch | None":
+        """`kv_write_rows` with these arguments as a PreparedLaunch (`launch(stream)` is then
+        one cuLaunchKernel, nothing rebuilt); None for 0 tokens."""
+        return self._kv_prepare("pagedkv_kv_write", slots, num_tokens, heads, head_dim, block_size, limit, k, v,
+                                {"nonfinite": int(nonfinite)})
+
+    def kv_prepare_read(self, slots: DevicePtr, num_tokens: int, heads: int, head_dim: int, block_size: int,
+                        limit: int, k: KvSideArgs, v: KvSideArgs) -> "PreparedLaunch | None":
+        """`kv_read_rows` with these arguments as a PreparedLaunch; None for 0 tokens."""
+        return self._kv_prepare("pagedkv_kv_read", slots, num_tokens, heads, head_dim, block_size, limit, k, v,
+                                {"nonfinite": 0})
+
+    def kv_prepare_check_slots(self, slots: DevicePtr, num_tokens: int, limit: int,
+                               duplicate: int) -> "PreparedLaunch | None":
+        """The debug check of a write's slots as a PreparedLaunch: the smallest slot in
+        0..limit-1 that two of the `num_tokens` slots name goes into the device uint64 at
+        `duplicate` (atomicMin; all ones: none). None for 0 tokens."""
+        if num_tokens == 0:
+            return None
+        from .launch import PreparedLaunch
+
+        name = "pagedkv_kv_check_slots"
+        return PreparedLaunch(self, self._launchers[name], self._grid(name, -(-num_tokens // KV_THREADS)),
+                              dict(slots=int(slots), num_tokens=num_tokens, limit=limit, duplicate=int(duplicate)))
+
+    def kv_prepare_layers(self, reading: bool, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
+                          block_size: int, limit: int, nonfinite: int = 0,
+                          launch: tuple[bool, int, int] | None = None) -> "PreparedLaunch | None":
+        """`kv_write_layers` (`kv_read_layers` when `reading`) as a PreparedLaunch; None for
+        no tokens or layers."""
+        if num_tokens == 0 or num_layers == 0:
+            return None
+        name = "pagedkv_kv_read" if reading else "pagedkv_kv_write"
+        rows16, per_token, fixed = launch if launch is not None else (False, 1 << 30, 0)
+        if rows16:
+            name += "16"
+        units = per_token * num_tokens + fixed
+        fields = dict(_NO_INLINE_LAYER, layers=int(table), num_layers=num_layers, slots=int(slots),
+                      num_tokens=num_tokens, block_size=block_size, limit=limit, nonfinite=int(nonfinite))
+        from .launch import PreparedLaunch
+
+        return PreparedLaunch(self, self._launchers[name], self._grid(name, -(-units // WARPS)), fields)
 
     def _kv_launch(self, name: str, slots: int, num_tokens: int, heads: int, head_dim: int, block_size: int,
                    limit: int, k: KvSideArgs, v: KvSideArgs, stream: int, extra: dict) -> None:
@@ -278,7 +417,12 @@ class KvKernels:
                 **self._side_fields("k", k, head_dim, name.endswith("read")),
                 **self._side_fields("v", v, head_dim, name.endswith("read")),
             )
-            self._launchers[name].launch(self._grid(name, 2 * num_tokens), handle, **fields)
+            if fields["k_fmt"] in _ROWS16 and fields["v_fmt"] in _ROWS16:
+                name += "16"
+            units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens)
+                     + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens))
+            self._launchers[name].launch(self._grid(name, -(-units // WARPS)), handle, layers=0, num_layers=0,
+                                         **fields)
 
     def kv_write_rows(self, slots: DevicePtr, num_tokens: int, heads: int, head_dim: int, block_size: int,
                       limit: int, k: KvSideArgs, v: KvSideArgs, stream: int, nonfinite: int = 0) -> None:
@@ -295,4 +439,5 @@ class KvKernels:
         """Enqueue on `stream` the decoding of the slots at `slots` into each side's rows
         (float32 or BF16; a slot outside 0..limit-1 gives zeros), one launch for both sides;
         turbo sides are unrotated when the side asks for `rotated`."""
-        self._kv_launch("pagedkv_kv_read", slots, num_tokens, heads, head_dim, block_size, limit, k, v, stream, {})
+        self._kv_launch("pagedkv_kv_read", slots, num_tokens, heads, head_dim, block_size, limit, k, v, stream,
+                        {"nonfinite": 0})

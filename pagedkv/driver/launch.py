@@ -114,3 +114,37 @@ class KernelLauncher:
                 "cuLaunchKernel",
                 f"({self.name}, grid {grid}, block {block})",
             )
+
+
+class PreparedLaunch:
+    """One kernel launch with every argument fixed (a private copy of the argument structure
+    and its pointer array): `launch(stream)` is one cuLaunchKernel, no field written, for
+    the per-step calls an engine repeats with the same buffers (`CudaBackend.kv_prepare_*`).
+    `backend` gives the stream lookup, the lock and the current context."""
+
+    def __init__(self, backend: Any, launcher: KernelLauncher, grid: int, fields: dict):
+        self._backend = backend
+        self.name = launcher.name
+        self.grid = grid
+        self.threads = launcher.threads
+        self.function = launcher.function
+        args_type = type(launcher.args)
+        self.args = args_type()
+        for name, value in fields.items():
+            setattr(self.args, name, value)
+            if getattr(self.args, name) != value:
+                raise OverflowError(f"{self.name} argument {name}={value} does not fit its C type")
+        base = ctypes.addressof(self.args)
+        self.pointers = (ctypes.c_void_p * len(args_type._fields_))(
+            *(base + getattr(args_type, f[0]).offset for f in args_type._fields_)
+        )
+        self._address = ctypes.addressof(self.pointers)
+
+    def launch(self, stream: Any) -> None:
+        """Enqueue the launch on `stream` (an int handle of the backend or a `__cuda_stream__`)."""
+        backend = self._backend
+        handle = backend._stream(stream)
+        with backend._lock:
+            backend._enter()
+            check(driver.cuLaunchKernel(self.function, self.grid, 1, 1, self.threads, 1, 1, 0, handle, self._address, 0),
+                  "cuLaunchKernel", f"({self.name}, grid {self.grid}, block {self.threads})")

@@ -13,14 +13,82 @@ turned into numpy views of that memory and take the host codec path.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 
+from ..core.env import flags
 from ..driver.kv_kernels import KvSideArgs
+from ..errors import PagedKvError
 from ..interop.device_array import DeviceArray, from_dlpack
 
+
+class DuplicateSlotError(PagedKvError, ValueError):
+    """Two tokens of one device write named the same slot (on a GPU a torn row: one token's
+    codes with the other's scales); found by the device check of debug mode
+    (METRALE_KV_TRACE=1) and raised at the next sync point, `take_nonfinite_inputs`."""
+
+
+_NO_DUPLICATE = (1 << 64) - 1
+
 KDL_CPU = 1
+
+# Prepared launches of repeated calls, per pools object: a call whose layer, DeviceArray
+# arguments (address, shape, dtype, row stride), scales, counter and backend equal an earlier
+# call's (validated then) is one cuLaunchKernel. Capped: a fresh buffer each step would
+# otherwise grow it without bound.
+_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PREPARED_LIMIT = 1024
+
+
+def _array_key(x: Any):
+    if type(x) is DeviceArray:
+        return (x.ptr, x.shape, x.dtype, x.row_stride, x.device)
+    return None
+
+
+def _prepared_key(kind: str, layer, gpu, slots, a, b, *rest):
+    keys = (_array_key(slots), _array_key(a), _array_key(b))
+    if keys[0] is None or keys[1] is None or (keys[2] is None and b is not None) or type(layer) is not int:
+        return None
+    return (kind, layer, id(gpu), *keys, *rest)
+
+
+def launch_prepared(pools, kind: str, layer, slots, a, b, gpu, stream, *rest) -> bool:
+    """Enqueue the prepared launch of an earlier identical device call (`kind` "w": write of
+    rows a, b; "r": read into outputs a, b; `rest` the scales and flags) and return True, or
+    False when there is none (the caller takes the validating path, which prepares one)."""
+    entries = _PREPARED.get(pools)
+    if entries is None:
+        return False
+    key = _prepared_key(kind, layer, gpu, slots, a, b, *rest)
+    launches = entries.get(key) if key is not None else None
+    if launches is None:
+        return False
+    pools.layer(layer)  # the pools must still be live
+    for launch in launches:
+        launch.launch(stream)
+    return True
+
+
+def _remember(pools, key, launches) -> None:
+    if key is None or not launches:
+        return
+    entries = _PREPARED.setdefault(pools, {})
+    if len(entries) >= _PREPARED_LIMIT:
+        entries.clear()
+    entries[key] = launches
+
+
+def slot_check(gpu: Any, slots_ptr: int, num_tokens: int, limit: int, nonfinite: int) -> list:
+    """[the prepared debug check of a device write's slots] under METRALE_KV_TRACE=1 on a
+    backend with the KV kernels and a counter (`nonfinite`, whose second word takes the
+    duplicate), else []."""
+    if not (flags().kv_trace and nonfinite and hasattr(gpu, "kv_prepare_check_slots")):
+        return []
+    launch = gpu.kv_prepare_check_slots(slots_ptr, num_tokens, limit, nonfinite + 8)
+    return [launch] if launch is not None else []
 
 
 def is_device_input(x: Any) -> bool:
@@ -125,8 +193,17 @@ def write_tokens(pools, layer: int, geometry, slots, k, v, gpu, stream: int, k_s
         v_side = KvSideArgs(None if aliased else v_fmt, int(pools.v_pool(layer)), pools.v_stride(layer),
                             v_arr.ptr, v_arr.row_stride, v_arr.dtype.name == "bfloat16", v_scale)
     limit = pools.num_blocks() * config.block_size
-    gpu.kv_write_rows(slot_arr.ptr, slot_arr.shape[0], heads, head_dim, config.block_size, limit,
-                      k_side, v_side, stream, nonfinite)
+    if not hasattr(gpu, "kv_prepare_write"):
+        gpu.kv_write_rows(slot_arr.ptr, slot_arr.shape[0], heads, head_dim, config.block_size, limit,
+                          k_side, v_side, stream, nonfinite)
+        return
+    gpu._stream(stream)  # an unknown stream is refused before anything is prepared
+    launch = gpu.kv_prepare_write(slot_arr.ptr, slot_arr.shape[0], heads, head_dim, config.block_size, limit,
+                                  k_side, v_side, nonfinite)
+    launches = slot_check(gpu, slot_arr.ptr, slot_arr.shape[0], limit, nonfinite) + ([launch] if launch else [])
+    _remember(pools, _prepared_key("w", layer, gpu, slots, k, v, k_scale, v_scale, nonfinite), launches)
+    for one in launches:
+        one.launch(stream)
 
 
 def read_tokens(pools, layer: int, geometry, slots, gpu, stream: int, unrotate: bool, k_scale: float,
@@ -147,32 +224,68 @@ def read_tokens(pools, layer: int, geometry, slots, gpu, stream: int, unrotate: 
     v_side = KvSideArgs(k_fmt if config.v_aliases_k else v_fmt, int(v_pool), v_stride, v_arr.ptr, v_arr.row_stride,
                         v_arr.dtype.name == "bfloat16", k_scale if config.v_aliases_k else v_scale, unrotate)
     limit = pools.num_blocks() * config.block_size
-    gpu.kv_read_rows(slot_arr.ptr, tokens, heads, head_dim, config.block_size, limit, k_side, v_side, stream)
+    if not hasattr(gpu, "kv_prepare_read"):
+        gpu.kv_read_rows(slot_arr.ptr, tokens, heads, head_dim, config.block_size, limit, k_side, v_side, stream)
+        return out_k, out_v
+    gpu._stream(stream)
+    launch = gpu.kv_prepare_read(slot_arr.ptr, tokens, heads, head_dim, config.block_size, limit, k_side, v_side)
+    _remember(pools, _prepared_key("r", layer, gpu, slots, out_k, out_v, unrotate, k_scale, v_scale),
+              [launch] if launch else [])
+    if launch is not None:
+        launch.launch(stream)
     return out_k, out_v
 
 
 class NonfiniteCounter:
-    """The device uint64 a cache's device writes add their NaN/inf input count to (on a
-    backend with the KV row kernels; HostBackend refuses such inputs instead)."""
+    """Two device words a cache's device writes report into (on a backend with the KV row
+    kernels; HostBackend refuses such inputs instead): the NaN/inf input count, and the
+    smallest duplicate slot the debug check found (all ones: none). Read and reset on the
+    caller's stream through pinned memory: no synchronous copy on the legacy default
+    stream, which would serialise every blocking stream and invalidate another thread's
+    global-mode graph capture."""
 
     def __init__(self, gpu: Any):
-        """Allocate the counter on `gpu`, zeroed (freed again if zeroing fails)."""
-        self.ptr = gpu.alloc(8)
+        """Allocate the words on `gpu` and their pinned read-back, reset on a private
+        stream (everything freed again if that fails)."""
+        self.ptr = gpu.alloc(16)
+        self._host = None
         try:
-            gpu.copy_h2d(np.zeros(1, np.uint64), self.ptr)
+            self._host = gpu.alloc_pinned(16)
+            stream = gpu.create_stream()
+            try:
+                self._reset(gpu, stream)
+                gpu.synchronize(stream)
+            finally:
+                gpu.destroy_stream(stream)
         except BaseException:
+            if self._host is not None:
+                self._host.free()
             gpu.free(self.ptr)
             raise
 
+    def _reset(self, gpu: Any, stream: int) -> None:
+        gpu.memset_async(self.ptr, 0, 8, stream)
+        gpu.memset_async(self.ptr.offset(8), 0xFF, 8, stream)
+
     def take(self, gpu: Any, stream: int) -> int:
-        """The count after the work enqueued on `stream` so far, and reset to 0 (one call:
-        waits for `stream`, reads, zeroes)."""
+        """The count after the work enqueued on `stream` so far, and reset: the read-back and
+        the reset are enqueued on `stream`, then `stream` is waited for. DuplicateSlotError
+        (after the reset) when the debug check saw a slot named twice."""
+        gpu.copy_d2h_async(self.ptr, self._host, stream)
+        self._reset(gpu, stream)
         gpu.synchronize(stream)
-        count = np.zeros(1, np.uint64)
-        gpu.copy_d2h(self.ptr, count)
-        gpu.copy_h2d(np.zeros(1, np.uint64), self.ptr)
-        return int(count[0])
+        count, duplicate = (int(x) for x in self._host.array.view(np.uint64)[:2])
+        if duplicate != _NO_DUPLICATE:
+            raise DuplicateSlotError(
+                f"slot {duplicate} was named by two tokens of one device write (a torn row on a GPU); "
+                "found by the debug check of METRALE_KV_TRACE=1")
+        return count
 
     def free(self, gpu: Any) -> None:
-        """Free the counter."""
-        gpu.free(self.ptr)
+        """Free the words and their pinned read-back."""
+        try:
+            gpu.free(self.ptr)
+        finally:
+            if self._host is not None:
+                self._host.free()
+                self._host = None

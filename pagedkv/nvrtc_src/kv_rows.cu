@@ -15,8 +15,8 @@
 // (-1 included) is skipped by the write; the read gives a row of zeros for it.
 // NaN and inf inputs are counted into *nonfinite (when given) and encoded as the IEEE
 // rules make them; the host codec refuses them instead.
-// pagedkv_kv_write_layers writes the same tokens' rows of many layers in one launch (a
-// prefill), each layer's geometry, pools and rows read from a device table of KvLayer.
+// With a device table of KvLayer, one launch writes (or reads) the same tokens' rows of many
+// layers (a prefill, a decode step), each layer's geometry, pools and rows read from it.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -33,7 +33,8 @@ typedef long long i64;
 #define FMT_TURBO8 6
 
 #define KV_THREADS 128
-#define MAX_ROTATED_DIM 512
+#define KV_READ16_CTAS 8   // the bf16/fp8 read is built for 8 resident CTAs an SM (64 registers),
+#define KV_WRITE16_CTAS 7  // the write for 7 (73: one more encode spills at 64)
 #define GROUP 16
 
 __constant__ float TURBO4_LEVELS[16] = {
@@ -133,20 +134,6 @@ __device__ __forceinline__ int turbo_levels(int fmt, const float** levels, const
 
 // ---- one 16-element group ------------------------------------------------------------------
 
-__device__ void pack_codes(const u32* c, int bits, u8* out) {
-    if (bits == 4) {
-        for (int j = 0; j < 8; j++) out[j] = (u8)(c[2 * j] | (c[2 * j + 1] << 4));
-    } else if (bits == 2) {
-        for (int j = 0; j < 4; j++) out[j] = (u8)(c[4 * j] | (c[4 * j + 1] << 2) | (c[4 * j + 2] << 4) | (c[4 * j + 3] << 6));
-    } else {
-        for (int r = 0; r < 2; r++) {
-            u32 word = 0;
-            for (int k = 0; k < 8; k++) word |= c[8 * r + k] << (3 * k);
-            for (int b = 0; b < 3; b++) out[3 * r + b] = (u8)((word >> (8 * b)) & 0xFFu);
-        }
-    }
-}
-
 __device__ void unpack_codes(const u8* in, int bits, u32* c) {
     if (bits == 4) {
         for (int j = 0; j < 8; j++) { c[2 * j] = in[j] & 15u; c[2 * j + 1] = in[j] >> 4; }
@@ -161,77 +148,26 @@ __device__ void unpack_codes(const u8* in, int bits, u32* c) {
     }
 }
 
-// Encode group x of a grouped format: data bytes at `data`, scale bytes at `scale`.
-__device__ void encode_group(int fmt, const float* x, u8* data, u8* scale) {
-    float amax = 0.0f;
-    for (int i = 0; i < GROUP; i++) { const float a = fabsf(x[i]); if (a > amax) amax = a; }
-    if (fmt == FMT_TURBO8) {
-        float s = amax / 448.0f;
-        if (s < 1e-12f) s = 1e-12f;
-        for (int i = 0; i < GROUP; i++) data[i] = (u8)e4m3_encode(x[i] / s);
-        const u32 sb = bf16_encode(s);
-        scale[0] = (u8)(sb & 0xFFu);
-        scale[1] = (u8)(sb >> 8);
-        return;
-    }
-    u32 codes[GROUP];
-    if (fmt == FMT_NVFP4) {
-        const u32 sb = e4m3_encode(amax / 6.0f);
-        const float d = e4m3_decode(sb);
-        for (int i = 0; i < GROUP; i++) {
-            const u32 magnitude = d == 0.0f ? 0u : e2m1_magnitude(fabsf(x[i]) / d);
-            codes[i] = magnitude | ((__float_as_uint(x[i]) >> 31) << 3);
-        }
-        scale[0] = (u8)sb;
-        pack_codes(codes, 4, data);
-        return;
-    }
-    const float* levels;
-    const float* bounds;
-    const int count = turbo_levels(fmt, &levels, &bounds);
-    const bool tiny = amax <= 1e-12f;
-    const float ratio = tiny ? 1.0f : levels[count - 1] / amax;
-    float x_ssq = 0.0f, level_ssq = 0.0f;
-    for (int i = 0; i < GROUP; i++) {
-        const float u = tiny ? x[i] : x[i] * ratio;
-        u32 c = 0;
-        for (int b = 0; b < count - 1; b++) c += bounds[b] <= u;
-        codes[i] = c;
-        const float xx = x[i] * x[i];
-        x_ssq = x_ssq + xx;
-        const float ll = levels[c] * levels[c];
-        level_ssq = level_ssq + ll;
-    }
-    float s = sqrtf(x_ssq) / sqrtf(level_ssq);
-    if (s > 448.0f) s = 448.0f;
-    scale[0] = (u8)e4m3_encode(s);
-    pack_codes(codes, format_bits(fmt), data);
-}
-
-// Decode group of a grouped format into out[16].
-__device__ void decode_group(int fmt, const u8* data, const u8* scale, float* out) {
-    if (fmt == FMT_TURBO8) {
-        const float s = bf16_decode((u32)scale[0] | ((u32)scale[1] << 8));
-        for (int i = 0; i < GROUP; i++) out[i] = e4m3_decode(data[i]) * s;
-        return;
-    }
-    u32 codes[GROUP];
-    unpack_codes(data, format_bits(fmt), codes);
-    const float d = e4m3_decode(scale[0]);
-    if (fmt == FMT_NVFP4) {
-        for (int i = 0; i < GROUP; i++) {
-            const float m = E2M1_MAGNITUDES[codes[i] & 7u];
-            out[i] = (codes[i] & 8u ? -m : m) * d;
-        }
-        return;
-    }
-    const float* levels;
-    const float* bounds;
-    turbo_levels(fmt, &levels, &bounds);
-    for (int i = 0; i < GROUP; i++) out[i] = levels[codes[i]] * d;
-}
-
 // ---- rows ----------------------------------------------------------------------------------
+//
+// Work is cut into warp units, numbered across the sides of a launch (K then V, layer after
+// layer) and dealt to the warps of the grid round robin; a warp walks the sides in order,
+// so each side's format is switched on once, outside its loop. Per side, one of:
+// - bf16 / fp8: a lane takes 16 consecutive elements of a row (32 consecutive lanes, one
+//   unit); 16-byte loads and stores when the rows and the pool rows are 16-byte aligned and
+//   the chunk is whole, element by element otherwise.
+// - grouped formats without rotation: a lane takes one 16-element group (all lanes busy,
+//   whatever the row size); with whole sets of 8 groups a row and 8-byte aligned blocks,
+//   each set of 8 lanes writes its data and scale bytes as 8-byte words (nvfp4/turbo4: a
+//   word a lane; turbo8: 16 bytes a lane; turbo3/turbo2 and the scales gathered by warp
+//   shuffles), else byte by byte.
+// - turbo formats with rotation (head_dim 128, 256, 512): a warp takes one head, lane L the
+//   E = head_dim / 32 consecutive elements from E * L; the Walsh-Hadamard butterfly runs in
+//   registers for strides below E and by warp shuffles above; each group's amax and sums of
+//   squares across its 16 / E lanes by shuffles (the sums in element order, exact); the
+//   packed codes and scales gathered by shuffles into 8-byte words.
+// Codebooks and sign tables are copied to shared memory once per CTA, so a lookup indexed
+// by a code or a lane is a conflict-free shared read, not a serialised constant read.
 
 __device__ __forceinline__ float load_value(u64 src, int bf16, i64 index) {
     if (bf16) return bf16_decode(((const u16*)src)[index]);
@@ -241,28 +177,6 @@ __device__ __forceinline__ float load_value(u64 src, int bf16, i64 index) {
 __device__ __forceinline__ void store_value(u64 dst, int bf16, i64 index, float x) {
     if (bf16) ((u16*)dst)[index] = (u16)bf16_encode(x);
     else ((float*)dst)[index] = x;
-}
-
-__device__ __forceinline__ float sign_at(int table, int d) {
-    return (WHT_SIGNS[table + (d >> 5)] >> (d & 31)) & 1u ? -1.0f : 1.0f;
-}
-
-// buf[0..n) = ((H_n (first * buf)) * inv_sqrt_n) * last, by the CTA, `first` and `last`
-// being WHT_SIGNS word offsets; ends after a barrier.
-__device__ void rotate_shared(float* buf, int n, int first, int last, float inv_sqrt_n) {
-    for (int d = threadIdx.x; d < n; d += blockDim.x) buf[d] = buf[d] * sign_at(first, d);
-    __syncthreads();
-    for (int h = 1; h < n; h <<= 1) {
-        for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
-            const int i = (p / h) * 2 * h + (p % h);
-            const float a = buf[i], b = buf[i + h];
-            buf[i] = a + b;
-            buf[i + h] = a - b;
-        }
-        __syncthreads();
-    }
-    for (int d = threadIdx.x; d < n; d += blockDim.x) buf[d] = (buf[d] * inv_sqrt_n) * sign_at(last, d);
-    __syncthreads();
 }
 
 struct SideGeometry {
@@ -277,84 +191,799 @@ __device__ __forceinline__ SideGeometry geometry(int fmt, int n, int block_size)
     return g;
 }
 
-__shared__ float kv_buf[MAX_ROTATED_DIM];
+#define KV_WARPS (KV_THREADS / 32)
+#define FULL_MASK 0xFFFFFFFFu
 
-// Encode token `token`'s row of one side (format `fmt`, rows at `src` `row_stride` elements
-// apart, BF16 when `bf16`) into `slot` of the pool at `pool`; by the CTA. The number of
-// NaN/inf inputs this thread read.
-__device__ u32 write_row(int fmt, u64 pool, i64 block_stride, u64 src, i64 row_stride, int bf16, float scale,
-                         int first, int last, int heads, int head_dim, float inv_sqrt_n, int block_size,
-                         i64 slot, int token) {
-    const int n = heads * head_dim;
-    u32 bad = 0;
-    const i64 row = (i64)token * row_stride;
-    const SideGeometry g = geometry(fmt, n, block_size);
+struct KvTables {
+    float t4_levels[16], t4_bounds[16], t3_levels[8], t3_bounds[8], t2_levels[4], t2_bounds[4], e2m1[8];
+    u32 signs[56];
+};
+__shared__ KvTables kv_tables;
+
+__device__ void kv_load_tables() {
+    for (int i = threadIdx.x; i < 56; i += blockDim.x) {
+        if (i < 16) kv_tables.t4_levels[i] = TURBO4_LEVELS[i];
+        if (i < 15) kv_tables.t4_bounds[i] = TURBO4_BOUNDS[i];
+        if (i < 8) kv_tables.t3_levels[i] = TURBO3_LEVELS[i];
+        if (i < 7) kv_tables.t3_bounds[i] = TURBO3_BOUNDS[i];
+        if (i < 4) kv_tables.t2_levels[i] = TURBO2_LEVELS[i];
+        if (i < 3) kv_tables.t2_bounds[i] = TURBO2_BOUNDS[i];
+        if (i < 8) kv_tables.e2m1[i] = E2M1_MAGNITUDES[i];
+        kv_tables.signs[i] = WHT_SIGNS[i];
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31u; }
+
+__device__ __forceinline__ u64 shfl_u64(u64 v, int src, int width) {
+    return __shfl_sync(FULL_MASK, v, src, width);
+}
+
+// A turbo codebook at run time: turbo4, turbo3 and turbo2 share one compiled path.
+struct Book {
+    int bits, count;
+    const float* levels;
+    const float* bounds;
+};
+
+__device__ __forceinline__ Book book_of(int fmt) {
+    Book b;
+    if (fmt == FMT_TURBO3) { b.bits = 3; b.count = 8; b.levels = kv_tables.t3_levels; b.bounds = kv_tables.t3_bounds; }
+    else if (fmt == FMT_TURBO2) { b.bits = 2; b.count = 4; b.levels = kv_tables.t2_levels; b.bounds = kv_tables.t2_bounds; }
+    else { b.bits = 4; b.count = 16; b.levels = kv_tables.t4_levels; b.bounds = kv_tables.t4_bounds; }
+    return b;
+}
+
+// The code of u: the number of the codebook's decision bounds at or below it (comparisons,
+// no search loop).
+__device__ __forceinline__ u32 book_code(const Book& b, float u) {
+    u32 c = 0;
+#pragma unroll
+    for (int i = 0; i < 15; i++) c += i < b.count - 1 && b.bounds[i] <= u;
+    return c;
+}
+
+// Word w (64 bits) of a bit stream whose i-th F-bit field (bits [F*i, F*i + F), F <= 64) is
+// `field` of lane i * STRIDE of this lane's segment of WIDTH lanes (fields past `count`
+// absent); MAXS bounds the fields one word meets (64 / F_min + 1). Every lane of the warp
+// calls it (with its own w).
+template <int MAXS, int STRIDE, int WIDTH>
+__device__ __forceinline__ u64 gather_word(u64 field, int F, int w, int count) {
+    u64 word = 0;
+    const int first = (64 * w) / F;
+#pragma unroll
+    for (int o = 0; o < MAXS; o++) {
+        const int i = first + o;
+        const int src = i < count ? i * STRIDE : 0;
+        const u64 f = shfl_u64(field, src, WIDTH);
+        const int at = i * F - 64 * w;  // where field i's lowest bit lands in the word
+        if (i < count && at < 64 && at + F > 0) word |= at >= 0 ? f << at : f >> -at;
+    }
+    return word;
+}
+
+// Field i (F bits, F <= 64) of a bit stream whose 64-bit word j is `word` of lane j of this
+// lane's segment of WIDTH lanes (words past `words` absent).
+template <int WIDTH>
+__device__ __forceinline__ u64 scatter_field(u64 word, int F, int i, int words) {
+    const int bit = F * i, j = bit >> 6, r = bit & 63;
+    const u64 lo = shfl_u64(word, j < words ? j : 0, WIDTH);
+    const u64 hi = shfl_u64(word, j + 1 < words ? j + 1 : 0, WIDTH);
+    u64 f = lo >> r;
+    if (r && r + F > 64 && j + 1 < words) f |= hi << (64 - r);
+    return F >= 64 ? f : f & ((1ull << F) - 1ull);
+}
+
+// N consecutive row elements from element e of the rows at `src` (BF16 or float32): vector
+// loads when `vec` (16-byte aligned, N a multiple of 4 or 8), else the first `count` singly
+// (the rest 0).
+template <int N>
+__device__ __forceinline__ void load_elems(u64 src, int bf16, i64 e, bool vec, int count, float (&x)[N]) {
+    if (vec && bf16 && N % 8 == 0) {
+        const uint4* p = (const uint4*)(src + 2 * e);
+#pragma unroll
+        for (int q = 0; q < N / 8; q++) {
+            const uint4 v = p[q];
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 8; k++) x[8 * q + k] = bf16_decode((w[k >> 1] >> (16 * (k & 1))) & 0xFFFFu);
+        }
+    } else if (vec && bf16 && N == 4) {
+        const uint2 v = *(const uint2*)(src + 2 * e);
+        const u32 w[2] = {v.x, v.y};
+#pragma unroll
+        for (int k = 0; k < N; k++) x[k] = bf16_decode((w[k >> 1] >> (16 * (k & 1))) & 0xFFFFu);
+    } else if (vec && !bf16 && N % 4 == 0) {
+        const float4* p = (const float4*)(src + 4 * e);
+#pragma unroll
+        for (int q = 0; q < N / 4; q++) {
+            const float4 v = p[q];
+            x[4 * q] = v.x; x[4 * q + 1] = v.y; x[4 * q + 2] = v.z; x[4 * q + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; k++) x[k] = k < count ? load_value(src, bf16, e + k) : 0.0f;
+    }
+}
+
+// N row elements to element e of the rows at `dst` (BF16, rounded to nearest even, or
+// float32): vector stores when `vec`, else the first `count` singly.
+template <int N>
+__device__ __forceinline__ void store_elems(u64 dst, int bf16, i64 e, bool vec, int count, const float (&x)[N]) {
+    if (vec && bf16 && N % 8 == 0) {
+        uint4* p = (uint4*)(dst + 2 * e);
+#pragma unroll
+        for (int q = 0; q < N / 8; q++) {
+            u32 w[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) w[k] = bf16_encode(x[8 * q + 2 * k]) | (bf16_encode(x[8 * q + 2 * k + 1]) << 16);
+            uint4 v;
+            v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+            p[q] = v;
+        }
+    } else if (vec && bf16 && N == 4) {
+        uint2 v;
+        v.x = bf16_encode(x[0]) | (bf16_encode(x[1]) << 16);
+        v.y = bf16_encode(x[2]) | (bf16_encode(x[3]) << 16);
+        *(uint2*)(dst + 2 * e) = v;
+    } else if (vec && !bf16 && N % 4 == 0) {
+        float4* p = (float4*)(dst + 4 * e);
+#pragma unroll
+        for (int q = 0; q < N / 4; q++) {
+            float4 v;
+            v.x = x[4 * q]; v.y = x[4 * q + 1]; v.z = x[4 * q + 2]; v.w = x[4 * q + 3];
+            p[q] = v;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; k++)
+            if (k < count) store_value(dst, bf16, e + k, x[k]);
+    }
+}
+
+// `nbytes` bytes of the little-endian words w to p: 8-byte stores when `vec`, else bytes.
+__device__ __forceinline__ void store_word(u8* p, u64 w, int nbytes, bool vec) {
+    if (vec && nbytes == 8) {
+        *(u64*)p = w;
+        return;
+    }
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+        if (b < nbytes) p[b] = (u8)(w >> (8 * b));
+}
+
+__device__ __forceinline__ u64 load_word(const u8* p, int nbytes, bool vec) {
+    if (vec && nbytes == 8) return *(const u64*)p;
+    u64 w = 0;
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+        if (b < nbytes) w |= (u64)p[b] << (8 * b);
+    return w;
+}
+
+// Encode one group x (16 values, float32) of a grouped format of kind KIND (FMT_NVFP4,
+// FMT_TURBO8, or FMT_TURBO4 for every codebook format, `fmt` naming it): the packed codes as
+// a bit stream in d (first code in the lowest bits: 64, 48 or 32 bits; turbo8's 16 E4M3
+// bytes in d[0] and d[1]), returns the scale bits (an E4M3 byte; turbo8: BF16 bits).
+template <int KIND>
+__device__ __forceinline__ u32 encode_group_bits(int fmt, const float (&x)[GROUP], u64 (&d)[2]) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GROUP; i++) { const float a = fabsf(x[i]); if (a > amax) amax = a; }
+    d[0] = d[1] = 0;
+    if (KIND == FMT_TURBO8) {
+        float s = amax / 448.0f;
+        if (s < 1e-12f) s = 1e-12f;
+#pragma unroll
+        for (int i = 0; i < GROUP; i++) d[i >> 3] |= (u64)e4m3_encode(x[i] / s) << (8 * (i & 7));
+        return bf16_encode(s);
+    }
+    if (KIND == FMT_NVFP4) {
+        const u32 sb = e4m3_encode(amax / 6.0f);
+        const float dq = e4m3_decode(sb);
+#pragma unroll
+        for (int i = 0; i < GROUP; i++) {
+            const u32 magnitude = dq == 0.0f ? 0u : e2m1_magnitude(fabsf(x[i]) / dq);
+            d[0] |= (u64)(magnitude | ((__float_as_uint(x[i]) >> 31) << 3)) << (4 * i);
+        }
+        return sb;
+    }
+    const Book book = book_of(fmt);
+    const bool tiny = amax <= 1e-12f;
+    const float ratio = tiny ? 1.0f : book.levels[book.count - 1] / amax;
+    float x_ssq = 0.0f, level_ssq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GROUP; i++) {
+        const u32 c = book_code(book, tiny ? x[i] : x[i] * ratio);
+        d[0] |= (u64)c << (book.bits * i);
+        const float xx = x[i] * x[i];
+        x_ssq = x_ssq + xx;
+        const float ll = book.levels[c] * book.levels[c];
+        level_ssq = level_ssq + ll;
+    }
+    float s = sqrtf(x_ssq) / sqrtf(level_ssq);
+    if (s > 448.0f) s = 448.0f;
+    return e4m3_encode(s);
+}
+
+// Decode one group of kind KIND (as encode_group_bits) from its bit stream d and scale bits.
+template <int KIND>
+__device__ __forceinline__ void decode_group_bits(int fmt, const u64 (&d)[2], u32 scale, float (&out)[GROUP]) {
+    if (KIND == FMT_TURBO8) {
+        const float s = bf16_decode(scale);
+#pragma unroll
+        for (int i = 0; i < GROUP; i++) out[i] = e4m3_decode((u32)(d[i >> 3] >> (8 * (i & 7))) & 0xFFu) * s;
+        return;
+    }
+    const float dq = e4m3_decode(scale);
+    if (KIND == FMT_NVFP4) {
+#pragma unroll
+        for (int i = 0; i < GROUP; i++) {
+            const u32 code = (u32)(d[0] >> (4 * i)) & 15u;
+            const float m = kv_tables.e2m1[code & 7u];
+            out[i] = (code & 8u ? -m : m) * dq;
+        }
+        return;
+    }
+    const Book book = book_of(fmt);
+#pragma unroll
+    for (int i = 0; i < GROUP; i++) out[i] = book.levels[(u32)(d[0] >> (book.bits * i)) & ((1u << book.bits) - 1u)] * dq;
+}
+
+struct KvSide {
+    u64 pool;
+    i64 block_stride;
+    u64 rows;
+    i64 row_stride;
+    int fmt, bf16;
+    float scale;
+    int first, last;
+    int heads, head_dim;
+    float inv_sqrt_n;
+};
+
+// Work units (warps) of a side for `tokens` tokens.
+__device__ __forceinline__ i64 side_units(const KvSide& S, int tokens) {
+    if (S.fmt < 0) return 0;
+    const i64 n = (i64)S.heads * S.head_dim;
+    if (S.fmt == FMT_BF16 || S.fmt == FMT_FP8) return ((i64)tokens * ((n + 15) / 16) + 31) / 32;
+    if (S.first >= 0) return (i64)tokens * S.heads;
+    return ((i64)tokens * (n / GROUP) + 31) / 32;
+}
+
+// Where token slot `slot`'s rows of a side lie in its pool.
+struct SlotRows {
+    u8* data;    // the data row
+    u8* scales;  // the scale row
+};
+
+__device__ __forceinline__ SlotRows slot_rows(const KvSide& S, const SideGeometry& g, int block_size, i64 slot) {
     const i64 block = slot / block_size, offset = slot - block * block_size;
-    u8* base = (u8*)(pool + block * block_stride);
-    u8* data = base + offset * g.row_bytes;
-    u8* scales = base + g.data_section + offset * g.scale_row_bytes;
-    if (fmt == FMT_BF16 || fmt == FMT_FP8) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float x = load_value(src, bf16, row + i);
-            bad += is_nonfinite(x);
-            if (fmt == FMT_BF16) ((u16*)data)[i] = (u16)bf16_encode(x);
-            else data[i] = (u8)e4m3_encode(x / scale);
+    u8* base = (u8*)(S.pool + block * S.block_stride);
+    return {base + offset * g.row_bytes, base + g.data_section + offset * g.scale_row_bytes};
+}
+
+__device__ __forceinline__ float sign_at(int table, int d) {
+    return (kv_tables.signs[table + (d >> 5)] >> (d & 31)) & 1u ? -1.0f : 1.0f;
+}
+
+// y = ((H_n (first * x)) * inv_sqrt_n) * last over a warp, lane L holding elements
+// [E * L, E * L + E) of the n = 32 * E (the butterfly's strides 1, 2, ..., n/2, each
+// output one add or subtract of the same two inputs as the serial order: exact).
+template <int E>
+__device__ __forceinline__ void rotate_warp(float (&x)[E], int first, int last, float inv_sqrt_n) {
+    const int lane = (int)lane_id();
+#pragma unroll
+    for (int j = 0; j < E; j++) x[j] = x[j] * sign_at(first, E * lane + j);
+#pragma unroll
+    for (int h = 1; h < E; h <<= 1) {
+#pragma unroll
+        for (int j = 0; j < E; j++) {
+            if (j & h) continue;
+            const float a = x[j], b = x[j + h];
+            x[j] = a + b;
+            x[j + h] = a - b;
         }
+    }
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {  // stride E * m: partner lane L ^ m
+        const bool upper = lane & m;
+#pragma unroll
+        for (int j = 0; j < E; j++) {
+            const float other = __shfl_xor_sync(FULL_MASK, x[j], m);
+            x[j] = upper ? other - x[j] : x[j] + other;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < E; j++) x[j] = (x[j] * inv_sqrt_n) * sign_at(last, E * lane + j);
+}
+
+__device__ __forceinline__ KvSide make_side(int fmt, u64 pool, i64 block_stride, u64 rows, i64 row_stride, int bf16,
+                                            float scale, int first, int last, int heads, int head_dim, float inv_sqrt_n) {
+    KvSide s;
+    s.pool = pool; s.block_stride = block_stride; s.rows = rows; s.row_stride = row_stride;
+    s.fmt = fmt; s.bf16 = bf16; s.scale = scale; s.first = first; s.last = last;
+    s.heads = heads; s.head_dim = head_dim; s.inv_sqrt_n = inv_sqrt_n;
+    return s;
+}
+
+// ---- the paths of one side (WRITE: encode rows into slots; else decode slots into rows) ----
+
+// bf16 / fp8 rows of whole 512-element spans, every access aligned: unit u is one span of
+// one token's row, lane L holding the 8-element pieces at 8 * L and 256 + 8 * L, so each
+// warp request covers 512 contiguous bytes of BF16 (16-byte accesses, every sector whole).
+// An fp8 pool row takes 16 contiguous bytes a lane: neighbouring lanes swap a piece first.
+template <int FMT, bool WRITE>
+__device__ __forceinline__ u32 span_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int block_size,
+                                         i64 limit, i64 u) {
+    const i64 n = (i64)S.heads * S.head_dim, spans = n / 512;
+    const int lane = (int)lane_id();
+    const int token = (int)(u / spans);
+    const i64 span = u - (i64)token * spans;
+    const i64 slot = slots[token];
+    const bool valid = slot >= 0 && slot < limit;  // uniform: the warp's span is one token's
+    const i64 e = (i64)token * S.row_stride + 512 * span + 8 * lane;
+    float x[2][8];
+    const bool odd = lane & 1;
+    if (WRITE) {
+        if (!valid) return 0;
+        load_elems<8>(S.rows, S.bf16, e, true, 8, x[0]);
+        load_elems<8>(S.rows, S.bf16, e + 256, true, 8, x[1]);
+        u32 bad = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) bad += is_nonfinite(x[0][k]) + is_nonfinite(x[1][k]);
+        u8* row = slot_rows(S, g, block_size, slot).data;
+        if (FMT == FMT_BF16) {
+            store_elems<8>((u64)row, 1, 512 * span + 8 * lane, true, 8, x[0]);
+            store_elems<8>((u64)row, 1, 512 * span + 256 + 8 * lane, true, 8, x[1]);
+            return bad;
+        }
+        u64 piece[2] = {0, 0};
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) piece[q] |= (u64)e4m3_encode(x[q][k] / S.scale) << (8 * k);
+        // lane 2m stores elements [16m, 16m + 16) of the span, lane 2m + 1 [256 + 16m, 256 + 16m + 16)
+        const u64 other = shfl_u64(odd ? piece[0] : piece[1], lane ^ 1, 32);
+        const u64 lo = odd ? other : piece[0], hi = odd ? piece[1] : other;
+        uint4 v;
+        v.x = (u32)lo; v.y = (u32)(lo >> 32); v.z = (u32)hi; v.w = (u32)(hi >> 32);
+        *(uint4*)(row + 512 * span + (odd ? 256 : 0) + 16 * (lane >> 1)) = v;
         return bad;
     }
-    const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
-    if (first < 0) {
-        for (int gi = threadIdx.x; gi < n / GROUP; gi += blockDim.x) {
-            float x[GROUP];
-            for (int i = 0; i < GROUP; i++) {
-                x[i] = load_value(src, bf16, row + gi * GROUP + i);
-                bad += is_nonfinite(x[i]);
+    if (valid) {
+        const u8* row = slot_rows(S, g, block_size, slot).data;
+        if (FMT == FMT_BF16) {
+            load_elems<8>((u64)row, 1, 512 * span + 8 * lane, true, 8, x[0]);
+            load_elems<8>((u64)row, 1, 512 * span + 256 + 8 * lane, true, 8, x[1]);
+        } else {
+            const uint4 v = *(const uint4*)(row + 512 * span + (odd ? 256 : 0) + 16 * (lane >> 1));
+            const u64 lo = (u64)v.x | ((u64)v.y << 32), hi = (u64)v.z | ((u64)v.w << 32);
+            const u64 other = shfl_u64(odd ? lo : hi, lane ^ 1, 32);
+            const u64 piece[2] = {odd ? other : lo, odd ? hi : other};
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int k = 0; k < 8; k++) x[q][k] = e4m3_decode((u32)(piece[q] >> (8 * k)) & 0xFFu) * S.scale;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) x[0][k] = x[1][k] = 0.0f;
+    }
+    store_elems<8>(S.rows, S.bf16, e, true, 8, x[0]);
+    store_elems<8>(S.rows, S.bf16, e + 256, true, 8, x[1]);
+    return 0;
+}
+
+// bf16 / fp8, any geometry: unit u's lanes take 16-element chunks of the flat (token, chunk) items.
+template <int FMT, bool WRITE>
+__device__ __forceinline__ u32 chunk_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens, int block_size,
+                          i64 limit, i64 u, bool rows_vec, bool pool_vec) {
+    const i64 n = (i64)S.heads * S.head_dim, chunks = (n + 15) / 16;
+    const i64 item = u * 32 + lane_id();
+    if (item >= (i64)tokens * chunks) return 0;
+    const int token = (int)(item / chunks);
+    const i64 c = item - (i64)token * chunks;
+    const int count = (int)(n - 16 * c < 16 ? n - 16 * c : 16);
+    const bool whole = count == 16;
+    const i64 slot = slots[token];
+    const i64 e = (i64)token * S.row_stride + 16 * c;
+    const bool valid = slot >= 0 && slot < limit;
+    float x[16];
+    if (WRITE) {
+        if (!valid) return 0;
+        load_elems<16>(S.rows, S.bf16, e, rows_vec && whole, count, x);
+        u32 bad = 0;
+#pragma unroll
+        for (int k = 0; k < 16; k++) bad += k < count && is_nonfinite(x[k]);
+        u8* dst = slot_rows(S, g, block_size, slot).data + (FMT == FMT_BF16 ? 32 : 16) * c;
+        if (FMT == FMT_BF16) {
+            store_elems<16>((u64)dst, 1, 0, pool_vec && whole, count, x);
+        } else {
+            u32 w[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int k = 0; k < 16; k++) w[k >> 2] |= e4m3_encode(x[k] / S.scale) << (8 * (k & 3));
+            if (pool_vec && whole) {
+                uint4 v;
+                v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+                *(uint4*)dst = v;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 16; k++)
+                    if (k < count) dst[k] = (u8)(w[k >> 2] >> (8 * (k & 3)));
             }
-            encode_group(fmt, x, data + gi * group_bytes, scales + gi * ssize);
         }
         return bad;
     }
-    for (int h = 0; h < heads; h++) {
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-            const float x = load_value(src, bf16, row + h * head_dim + d);
-            bad += is_nonfinite(x);
-            kv_buf[d] = x;
+    if (valid) {
+        const u8* src = slot_rows(S, g, block_size, slot).data + (FMT == FMT_BF16 ? 32 : 16) * c;
+        if (FMT == FMT_BF16) {
+            load_elems<16>((u64)src, 1, 0, pool_vec && whole, count, x);
+        } else {
+            u32 w[4];
+            if (pool_vec && whole) {
+                const uint4 v = *(const uint4*)src;
+                w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; q++) w[q] = 0;
+#pragma unroll
+                for (int k = 0; k < 16; k++)
+                    if (k < count) w[k >> 2] |= (u32)src[k] << (8 * (k & 3));
+            }
+#pragma unroll
+            for (int k = 0; k < 16; k++) x[k] = e4m3_decode((w[k >> 2] >> (8 * (k & 3))) & 0xFFu) * S.scale;
         }
-        __syncthreads();
-        rotate_shared(kv_buf, head_dim, first, last, inv_sqrt_n);
-        for (int gi = threadIdx.x; gi < head_dim / GROUP; gi += blockDim.x) {
-            const int group = h * (head_dim / GROUP) + gi;
-            encode_group(fmt, kv_buf + gi * GROUP, data + group * group_bytes, scales + group * ssize);
-        }
-        __syncthreads();
+    } else {
+#pragma unroll
+        for (int k = 0; k < 16; k++) x[k] = 0.0f;
     }
+    store_elems<16>(S.rows, S.bf16, e, rows_vec && whole, count, x);
+    return 0;
+}
+
+// Grouped formats without rotation: a group a lane (kind KIND as encode_group_bits).
+// `sets`: whole sets of 8 groups a row and 8-byte aligned rows, so the 8 lanes of a set (one
+// row) move 8-byte words.
+template <int KIND, bool WRITE>
+__device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
+                                          int block_size, i64 limit, i64 u, bool rows_vec, bool sets) {
+    const int F = GROUP * (KIND == FMT_TURBO8 ? 8 : (KIND == FMT_NVFP4 ? 4 : book_of(S.fmt).bits));  // data bits a group
+    constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
+    const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
+    const i64 item = u * 32 + lane_id();
+    const bool in_range = item < (i64)tokens * groups;
+    const int token = in_range ? (int)(item / groups) : 0;
+    const i64 gi = in_range ? item - (i64)token * groups : 0;
+    const i64 slot = in_range ? slots[token] : -1;
+    const bool valid = in_range && slot >= 0 && slot < limit;
+    const i64 e = (i64)token * S.row_stride + GROUP * gi;
+    const int sub = (int)(lane_id() & 7u);  // lane in its set of 8 (one row when `sets`)
+    SlotRows at = {nullptr, nullptr};
+    if (valid) at = slot_rows(S, g, block_size, slot);
+    float x[GROUP];
+    u64 d[2];
+    if (WRITE) {
+        u32 bad = 0, sb = 0;
+        d[0] = d[1] = 0;
+        if (valid) {
+            load_elems<GROUP>(S.rows, S.bf16, e, rows_vec, GROUP, x);
+#pragma unroll
+            for (int k = 0; k < GROUP; k++) bad += is_nonfinite(x[k]);
+            sb = encode_group_bits<KIND>(S.fmt, x, d);
+        }
+        if (!sets) {
+            if (valid) {
+                u8* data = at.data + gi * (F / 8);
+                store_word(data, d[0], F / 8 < 8 ? F / 8 : 8, false);
+                if (F > 64) store_word(data + 8, d[1], 8, false);
+                store_word(at.scales + gi * (SF / 8), sb, SF / 8, false);
+            }
+            return bad;
+        }
+        // whole sets: the set's lanes share a row and its validity
+        if (F == 128) {
+            if (valid) {
+                uint4 v;
+                v.x = (u32)d[0]; v.y = (u32)(d[0] >> 32); v.z = (u32)d[1]; v.w = (u32)(d[1] >> 32);
+                *(uint4*)(at.data + gi * 16) = v;
+            }
+        } else if (F == 64) {
+            if (valid) *(u64*)(at.data + gi * 8) = d[0];
+        } else {
+            const u64 word = gather_word<3, 1, 8>(d[0], F, sub, 8);
+            if (valid && sub < F / 8) *(u64*)(at.data + (gi - sub) * (F / 8) + 8 * sub) = word;
+        }
+        const u64 sword = gather_word<SF == 8 ? 9 : 5, 1, 8>(sb, SF, sub, 8);
+        if (valid && sub < SF / 8) *(u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub) = sword;
+        return bad;
+    }
+    u32 sb = 0;
+    d[0] = d[1] = 0;
+    if (!sets) {
+        if (valid) {
+            const u8* data = at.data + gi * (F / 8);
+            d[0] = load_word(data, F / 8 < 8 ? F / 8 : 8, false);
+            if (F > 64) d[1] = load_word(data + 8, 8, false);
+            sb = (u32)load_word(at.scales + gi * (SF / 8), SF / 8, false);
+        }
+    } else {
+        if (F == 128) {
+            if (valid) {
+                const uint4 v = *(const uint4*)(at.data + gi * 16);
+                d[0] = (u64)v.x | ((u64)v.y << 32);
+                d[1] = (u64)v.z | ((u64)v.w << 32);
+            }
+        } else if (F == 64) {
+            if (valid) d[0] = *(const u64*)(at.data + gi * 8);
+        } else {
+            const u64 word = valid && sub < F / 8 ? *(const u64*)(at.data + (gi - sub) * (F / 8) + 8 * sub) : 0;
+            d[0] = scatter_field<8>(word, F, sub, F / 8);
+        }
+        const u64 sword = valid && sub < SF / 8 ? *(const u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub) : 0;
+        sb = (u32)scatter_field<8>(sword, SF, sub, SF / 8);
+    }
+    if (!in_range) return 0;
+    if (valid) {
+        decode_group_bits<KIND>(S.fmt, d, sb, x);
+    } else {
+#pragma unroll
+        for (int k = 0; k < GROUP; k++) x[k] = 0.0f;
+    }
+    store_elems<GROUP>(S.rows, S.bf16, e, rows_vec, GROUP, x);
+    return 0;
+}
+
+// Rotated turbo formats (KIND: FMT_TURBO8, or FMT_TURBO4 for every codebook format): unit u
+// is (token, head); lane L holds elements [E * L, E * L + E).
+template <int KIND, int E, bool WRITE>
+__device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int block_size,
+                                         i64 limit, i64 u, bool rows_vec, bool words_vec) {
+    constexpr int P = GROUP / E;                                  // lanes a group
+    constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
+    constexpr int SCALE_BYTES = (32 / P) * SF / 8;                // a head's scale bytes
+    constexpr int MAXS = 64 / (2 * E) + 1;                        // fields a word meets (turbo2's)
+    const Book book = book_of(S.fmt);
+    const int bits = KIND == FMT_TURBO8 ? 8 : book.bits;
+    const int F = E * bits;                                       // data bits a lane
+    const int data_bytes = 4 * F;                                 // a head's: 32 lanes x F bits
+    const int lane = (int)lane_id();
+    const int token = (int)(u / S.heads), h = (int)(u - (i64)token * S.heads);
+    const i64 slot = slots[token];
+    const bool valid = slot >= 0 && slot < limit;  // uniform over the warp: one head of one token
+    const i64 e = (i64)token * S.row_stride + (i64)h * S.head_dim + E * lane;
+    SlotRows at = {nullptr, nullptr};
+    if (valid) at = slot_rows(S, g, block_size, slot);
+    u8* data = valid ? at.data + (i64)h * data_bytes : nullptr;
+    u8* scales = valid ? at.scales + (i64)h * SCALE_BYTES : nullptr;
+    float x[E];
+    if (WRITE) {
+        if (!valid) return 0;
+        load_elems<E>(S.rows, S.bf16, e, rows_vec, E, x);
+        u32 bad = 0;
+#pragma unroll
+        for (int j = 0; j < E; j++) bad += is_nonfinite(x[j]);
+        rotate_warp<E>(x, S.first, S.last, S.inv_sqrt_n);
+        // the group's amax over its P lanes (a maximum: any order gives the same)
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; j++) { const float a = fabsf(x[j]); if (a > amax) amax = a; }
+#pragma unroll
+        for (int m = 1; m < P; m <<= 1) { const float o = __shfl_xor_sync(FULL_MASK, amax, m); if (o > amax) amax = o; }
+        u64 field = 0, hi = 0;  // this lane's codes as a bit stream (turbo8 at hd 512: 16 bytes)
+        u32 sb;
+        if (KIND == FMT_TURBO8) {
+            float s = amax / 448.0f;
+            if (s < 1e-12f) s = 1e-12f;
+#pragma unroll
+            for (int j = 0; j < E; j++) {
+                const u64 b = (u64)e4m3_encode(x[j] / s);
+                if (j < 8) field |= b << (8 * j);
+                else hi |= b << (8 * (j - 8));
+            }
+            sb = bf16_encode(s);
+        } else {
+            const bool tiny = amax <= 1e-12f;
+            const float ratio = tiny ? 1.0f : book.levels[book.count - 1] / amax;
+            u32 c[E];
+#pragma unroll
+            for (int j = 0; j < E; j++) {
+                c[j] = book_code(book, tiny ? x[j] : x[j] * ratio);
+                field |= (u64)c[j] << (bits * j);
+            }
+            // the sums of squares in element order: lane k of the group continues lane k-1's sums
+            float x_ssq = 0.0f, level_ssq = 0.0f;
+            const int group_lane = lane & ~(P - 1);
+#pragma unroll
+            for (int k = 0; k < P; k++) {
+                if ((lane & (P - 1)) == k) {
+#pragma unroll
+                    for (int j = 0; j < E; j++) {
+                        const float xx = x[j] * x[j];
+                        x_ssq = x_ssq + xx;
+                        const float ll = book.levels[c[j]] * book.levels[c[j]];
+                        level_ssq = level_ssq + ll;
+                    }
+                }
+                x_ssq = __shfl_sync(FULL_MASK, x_ssq, group_lane + k);
+                level_ssq = __shfl_sync(FULL_MASK, level_ssq, group_lane + k);
+            }
+            float s = sqrtf(x_ssq) / sqrtf(level_ssq);
+            if (s > 448.0f) s = 448.0f;
+            sb = e4m3_encode(s);
+        }
+        if (F == 128) {  // a lane's 16 bytes, stored as they are
+            if (words_vec) {
+                uint4 v;
+                v.x = (u32)field; v.y = (u32)(field >> 32); v.z = (u32)hi; v.w = (u32)(hi >> 32);
+                *(uint4*)(data + 16 * lane) = v;
+            } else {
+                store_word(data + 16 * lane, field, 8, false);
+                store_word(data + 16 * lane + 8, hi, 8, false);
+            }
+        } else if (F == 64) {
+            store_word(data + 8 * lane, field, 8, words_vec);
+        } else {
+            const u64 word = gather_word<MAXS, 1, 32>(field, F, lane, 32);
+            if (lane < data_bytes / 8) store_word(data + 8 * lane, word, 8, words_vec);
+        }
+        const u64 sword = gather_word<64 / SF + 1, P, 32>(sb, SF, lane, 32 / P);
+        if (lane < SCALE_BYTES / 8) store_word(scales + 8 * lane, sword, 8, words_vec);
+        return bad;
+    }
+    if (valid) {
+        u64 d[2] = {0, 0};
+        if (F == 128) {
+            if (words_vec) {
+                const uint4 v = *(const uint4*)(data + 16 * lane);
+                d[0] = (u64)v.x | ((u64)v.y << 32);
+                d[1] = (u64)v.z | ((u64)v.w << 32);
+            } else {
+                d[0] = load_word(data + 16 * lane, 8, false);
+                d[1] = load_word(data + 16 * lane + 8, 8, false);
+            }
+        } else if (F == 64) {
+            d[0] = load_word(data + 8 * lane, 8, words_vec);
+        } else {
+            const u64 word = lane < data_bytes / 8 ? load_word(data + 8 * lane, 8, words_vec) : 0;
+            d[0] = scatter_field<32>(word, F, lane, data_bytes / 8);
+        }
+        const u64 sword = lane < SCALE_BYTES / 8 ? load_word(scales + 8 * lane, 8, words_vec) : 0;
+        const u32 sb = (u32)scatter_field<32>(sword, SF, lane / P, SCALE_BYTES / 8);
+        if (KIND == FMT_TURBO8) {
+            const float s = bf16_decode(sb);
+#pragma unroll
+            for (int j = 0; j < E; j++) x[j] = e4m3_decode((u32)(d[j >> 3] >> (8 * (j & 7))) & 0xFFu) * s;
+        } else {
+            const float dq = e4m3_decode(sb);
+#pragma unroll
+            for (int j = 0; j < E; j++) x[j] = book.levels[(u32)(d[0] >> (bits * j)) & ((1u << bits) - 1u)] * dq;
+        }
+        rotate_warp<E>(x, S.first, S.last, S.inv_sqrt_n);
+    } else {
+#pragma unroll
+        for (int j = 0; j < E; j++) x[j] = 0.0f;
+    }
+    store_elems<E>(S.rows, S.bf16, e, rows_vec, E, x);
+    return 0;
+}
+
+// The loop over units [l0, count) step `stride` of one side on one path, the format (and
+// the rotated head size E) fixed. Not inlined, the side passed as scalars: each path gets
+// its own registers, so the kernel needs the most of any one path, not of all at once.
+#define PKV_SIDE_PARAMS int fmt, u64 pool, i64 block_stride, u64 rows, i64 row_stride, int bf16, float scale, int first, \
+    int last, int heads, int head_dim, float inv_sqrt_n, const i64* slots, int tokens, int block_size, i64 limit, \
+    i64 l0, i64 count, i64 stride
+#define PKV_SIDE_ARGS fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n, \
+    slots, tokens, block_size, limit, l0, count, stride
+
+struct SideFlags {
+    SideGeometry g;
+    bool rows_vec, pool16, words_vec;
+};
+
+__device__ __forceinline__ SideFlags side_flags(const KvSide& S, int block_size) {
+    SideFlags f;
+    f.g = geometry(S.fmt, S.heads * S.head_dim, block_size);
+    const int esize = S.bf16 ? 2 : 4;
+    f.rows_vec = ((S.rows | (u64)(S.row_stride * esize)) & 15u) == 0;
+    f.pool16 = ((S.pool | (u64)S.block_stride) & 15u) == 0;
+    f.words_vec = f.pool16 && (f.g.data_section & 7) == 0;
+    return f;
+}
+
+template <int FMT, bool WRITE, bool INLINE>
+__device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
+    const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
+    const SideFlags f = side_flags(S, block_size);
+    const bool pool_vec = f.pool16 && (f.g.row_bytes & 15) == 0;
+    u32 bad = 0;
+    if (f.rows_vec && pool_vec && (S.heads * S.head_dim) % 512 == 0) {  // a unit is a span: same count
+        for (i64 l = l0; l < count; l += stride) bad += span_unit<FMT, WRITE>(S, f.g, slots, block_size, limit, l);
+        return bad;
+    }
+    for (i64 l = l0; l < count; l += stride)
+        bad += chunk_unit<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l, f.rows_vec, pool_vec);
     return bad;
 }
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(
-    const i64* __restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,
-    float inv_sqrt_n, unsigned long long* nonfinite,
-    int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_src, i64 k_row_stride, int k_bf16, float k_scale,
-    int k_first, int k_last,
-    int v_fmt, u64 v_pool, i64 v_block_stride, u64 v_src, i64 v_row_stride, int v_bf16, float v_scale,
-    int v_first, int v_last)
-{
-    const i64 items = 2 * (i64)num_tokens;
+template <int FMT, bool WRITE>
+__device__ __noinline__ u32 group_loop(PKV_SIDE_PARAMS) {
+    const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
+    const SideFlags f = side_flags(S, block_size);
+    const bool sets = f.words_vec && ((S.heads * S.head_dim) / GROUP) % 8 == 0;
     u32 bad = 0;
-    for (i64 item = blockIdx.x; item < items; item += gridDim.x) {
-        const int token = (int)(item >> 1), side = (int)(item & 1);
-        const int fmt = side ? v_fmt : k_fmt;
-        const i64 slot = slots[token];
-        if (fmt < 0 || slot < 0 || slot >= limit) continue;
-        bad += side ? write_row(fmt, v_pool, v_block_stride, v_src, v_row_stride, v_bf16, v_scale, v_first, v_last,
-                                heads, head_dim, inv_sqrt_n, block_size, slot, token)
-                    : write_row(fmt, k_pool, k_block_stride, k_src, k_row_stride, k_bf16, k_scale, k_first, k_last,
-                                heads, head_dim, inv_sqrt_n, block_size, slot, token);
-    }
-    if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
+    for (i64 l = l0; l < count; l += stride)
+        bad += group_unit<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l, f.rows_vec, sets);
+    return bad;
 }
 
-// One side of one layer of pagedkv_kv_write_layers (KvLayerSide in driver/kv_kernels.py).
+template <int FMT, int E, bool WRITE>
+__device__ __noinline__ u32 head_loop(PKV_SIDE_PARAMS) {
+    const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
+    const SideFlags f = side_flags(S, block_size);
+    u32 bad = 0;
+    for (i64 l = l0; l < count; l += stride)
+        bad += head_unit<FMT, E, WRITE>(S, f.g, slots, block_size, limit, l, f.rows_vec, f.words_vec);
+    return bad;
+}
+
+template <int FMT, bool WRITE>
+__device__ __noinline__ u32 chunk_loop(PKV_SIDE_PARAMS) { return chunk_loop_body<FMT, WRITE, false>(PKV_SIDE_ARGS); }
+
+// The side's path: bf16/fp8 chunks, groups, or rotated heads of 128, 256 or 512; turbo4,
+// turbo3 and turbo2 share their paths (kind FMT_TURBO4, the codebook chosen at run time).
+template <int FMT, bool WRITE>
+__device__ __forceinline__ u32 side_loop(PKV_SIDE_PARAMS) {
+    constexpr int KIND = FMT == FMT_TURBO3 || FMT == FMT_TURBO2 ? FMT_TURBO4 : FMT;
+    if (FMT == FMT_BF16 || FMT == FMT_FP8) return chunk_loop<FMT, WRITE>(PKV_SIDE_ARGS);
+    if (first < 0 || FMT == FMT_NVFP4) return group_loop<KIND, WRITE>(PKV_SIDE_ARGS);
+    if (head_dim == 128) return head_loop<KIND, 4, WRITE>(PKV_SIDE_ARGS);
+    if (head_dim == 256) return head_loop<KIND, 8, WRITE>(PKV_SIDE_ARGS);
+    return head_loop<KIND, 16, WRITE>(PKV_SIDE_ARGS);
+}
+
+// This warp's share of one side whose units start at global unit `start`; advances `start`.
+// Kernel families: ALL formats, or ROWS16 (bf16 and fp8 sides only: the chunk loop inlined,
+// with its own small register count; Python launches it when every side is bf16 or fp8).
+#define FAMILY_ALL 0
+#define FAMILY_ROWS16 1
+
+template <bool WRITE, int FAMILY>
+__device__ u32 kv_side(const KvSide& S, const i64* slots, int tokens, int block_size, i64 limit, i64& start) {
+    const i64 count = side_units(S, tokens);
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 me = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const i64 l0 = ((me - start) % warps + warps) % warps;
+    start += count;
+    if (l0 >= count) return 0;
+#define PKV_SIDE_LOOP(F) side_loop<F, WRITE>(S.fmt, S.pool, S.block_stride, S.rows, S.row_stride, S.bf16, S.scale, S.first, \
+                                        S.last, S.heads, S.head_dim, S.inv_sqrt_n, slots, tokens, block_size, limit, \
+                                        l0, count, warps)
+    if (FAMILY == FAMILY_ROWS16) {
+#define PKV_ROWS16(F) chunk_loop_body<F, WRITE, true>(S.fmt, S.pool, S.block_stride, S.rows, S.row_stride, S.bf16, S.scale, \
+        S.first, S.last, S.heads, S.head_dim, S.inv_sqrt_n, slots, tokens, block_size, limit, l0, count, warps)
+        if (S.fmt == FMT_BF16) return PKV_ROWS16(FMT_BF16);
+        if (S.fmt == FMT_FP8) return PKV_ROWS16(FMT_FP8);
+        return 0;
+#undef PKV_ROWS16
+    }
+    switch (S.fmt) {  // uniform: once per side, outside the unit loop
+    case FMT_BF16: return PKV_SIDE_LOOP(FMT_BF16);
+    case FMT_FP8: return PKV_SIDE_LOOP(FMT_FP8);
+    case FMT_NVFP4: return PKV_SIDE_LOOP(FMT_NVFP4);
+    case FMT_TURBO4: return PKV_SIDE_LOOP(FMT_TURBO4);
+    case FMT_TURBO3: return PKV_SIDE_LOOP(FMT_TURBO3);
+    case FMT_TURBO2: return PKV_SIDE_LOOP(FMT_TURBO2);
+    case FMT_TURBO8: return PKV_SIDE_LOOP(FMT_TURBO8);
+    default: return 0;
+    }
+#undef PKV_SIDE_LOOP
+}
+
+// One side of one layer of the layer table of pagedkv_kv_write / _read (KvLayerSide in
+// driver/kv_kernels.py); `rows` are the source rows of a write, the output rows of a read.
 struct KvLayerSide {
     u64 pool;
     i64 block_stride;
@@ -365,7 +994,7 @@ struct KvLayerSide {
     int first, last, pad;
 };
 
-// One layer of pagedkv_kv_write_layers (KvLayer in driver/kv_kernels.py).
+// One layer of the layer table of pagedkv_kv_write / _read (KvLayer in driver/kv_kernels.py).
 struct KvLayer {
     int heads, head_dim;
     float inv_sqrt_n;
@@ -373,85 +1002,86 @@ struct KvLayer {
     KvLayerSide side[2];
 };
 
-// The same tokens' rows of `num_layers` layers (a prefill) in one launch: item
-// (layer, token, side) as pagedkv_kv_write does for one layer, with each layer's
-// geometry, pools and rows read from the device table `layers`.
-extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write_layers(
-    const KvLayer* __restrict__ layers, int num_layers, const i64* __restrict__ slots, int num_tokens,
-    int block_size, i64 limit, unsigned long long* nonfinite)
-{
-    const i64 per_layer = 2 * (i64)num_tokens, items = per_layer * num_layers;
-    u32 bad = 0;
-    for (i64 item = blockIdx.x; item < items; item += gridDim.x) {
-        const int layer = (int)(item / per_layer);
-        const i64 rest = item - layer * per_layer;
-        const int token = (int)(rest >> 1), side = (int)(rest & 1);
-        const KvLayer& L = layers[layer];
-        const KvLayerSide& S = L.side[side];
-        const i64 slot = slots[token];
-        if (S.fmt < 0 || slot < 0 || slot >= limit) continue;
-        bad += write_row(S.fmt, S.pool, S.block_stride, S.rows, S.row_stride, S.bf16, S.scale, S.first, S.last,
-                         L.heads, L.head_dim, L.inv_sqrt_n, block_size, slot, token);
+// Every side of a launch: the `num_layers` layers of the device table `layers`, or (when
+// num_layers is 0) the one layer given inline as K and V.
+template <bool WRITE, int FAMILY>
+__device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int num_layers, const i64* slots,
+                                         int num_tokens, int block_size, i64 limit, const KvSide& k, const KvSide& v) {
+    kv_load_tables();
+    i64 start = 0;
+    if (num_layers == 0) {
+        u32 bad = kv_side<WRITE, FAMILY>(k, slots, num_tokens, block_size, limit, start);
+        return bad + kv_side<WRITE, FAMILY>(v, slots, num_tokens, block_size, limit, start);
     }
+    u32 bad = 0;
+    for (int l = 0; l < num_layers; l++) {
+        const KvLayer& L = layers[l];
+        for (int s = 0; s < 2; s++) {
+            const KvLayerSide& T = L.side[s];
+            bad += kv_side<WRITE, FAMILY>(make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16,
+                                                    T.scale, T.first, T.last, L.heads, L.head_dim, L.inv_sqrt_n),
+                                          slots, num_tokens, block_size, limit, start);
+        }
+    }
+    return bad;
+}
+
+#define PKV_KV_PARAMS(ROWS)                                                                                     \
+    const i64 *__restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,             \
+    float inv_sqrt_n, unsigned long long *nonfinite, int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_##ROWS,      \
+    i64 k_row_stride, int k_bf16, float k_scale, int k_first, int k_last, int v_fmt, u64 v_pool,                   \
+    i64 v_block_stride, u64 v_##ROWS, i64 v_row_stride, int v_bf16, float v_scale, int v_first, int v_last,        \
+    const KvLayer *__restrict__ layers, int num_layers
+
+#define PKV_KV_LAUNCH(WRITE, FAMILY, ROWS)                                                                      \
+    kv_launch<WRITE, FAMILY>(layers, num_layers, slots, num_tokens, block_size, limit,                          \
+                             make_side(k_fmt, k_pool, k_block_stride, k_##ROWS, k_row_stride, k_bf16, k_scale,   \
+                                       k_first, k_last, heads, head_dim, inv_sqrt_n),                           \
+                             make_side(v_fmt, v_pool, v_block_stride, v_##ROWS, v_row_stride, v_bf16, v_scale,   \
+                                       v_first, v_last, heads, head_dim, inv_sqrt_n))
+
+// Rows encoded into their slots, every format: one layer's K and V given inline, or (a
+// prefill, or a decode step's new tokens of every layer) `num_layers` layers of the device
+// table `layers`, the same tokens' slots for all. NaN/inf inputs add to *nonfinite.
+extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_write(PKV_KV_PARAMS(src)) {
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ALL, src);
     if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
 }
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
-    const i64* __restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,
-    float inv_sqrt_n,
-    int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_out, i64 k_row_stride, int k_bf16, float k_scale,
-    int k_first, int k_last,
-    int v_fmt, u64 v_pool, i64 v_block_stride, u64 v_out, i64 v_row_stride, int v_bf16, float v_scale,
-    int v_first, int v_last)
+// pagedkv_kv_write for bf16 and fp8 sides only (or skipped ones).
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_WRITE16_CTAS) pagedkv_kv_write16(PKV_KV_PARAMS(src)) {
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ROWS16, src);
+    if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
+}
+
+// Slots decoded into rows (a slot outside 0..limit-1 gives zeros), every format: one layer
+// inline, or `num_layers` layers of the table (whose sides name the outputs and the sign
+// tables of the unrotation). `nonfinite` is unused.
+extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(PKV_KV_PARAMS(out)) {
+    PKV_KV_LAUNCH(false, FAMILY_ALL, out);
+}
+
+// pagedkv_kv_read for bf16 and fp8 sides only (or skipped ones).
+extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_READ16_CTAS) pagedkv_kv_read16(PKV_KV_PARAMS(out)) {
+    PKV_KV_LAUNCH(false, FAMILY_ROWS16, out);
+}
+
+// Debug check of a write's slots (launched before it when METRALE_KV_TRACE=1): a slot that
+// two tokens name would make two CTAs write one row (a torn row: one token's codes with the
+// other's scales). The smallest such slot is stored into *duplicate (all ones: none), which
+// the host reads at its next sync point (take_nonfinite_inputs) and raises on. Token i is
+// compared with every earlier one: quadratic, a debug tool.
+extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_check_slots(
+    const i64* __restrict__ slots, int num_tokens, i64 limit, unsigned long long* duplicate)
 {
-    const int n = heads * head_dim;
-    const i64 items = 2 * (i64)num_tokens;
-    for (i64 item = blockIdx.x; item < items; item += gridDim.x) {
-        const int token = (int)(item >> 1), side = (int)(item & 1);
-        const int fmt = side ? v_fmt : k_fmt;
-        if (fmt < 0) continue;
-        const i64 slot = slots[token];
-        const u64 out = side ? v_out : k_out;
-        const int bf16 = side ? v_bf16 : k_bf16;
-        const i64 row = (i64)token * (side ? v_row_stride : k_row_stride);
-        if (slot < 0 || slot >= limit) {
-            for (int i = threadIdx.x; i < n; i += blockDim.x) store_value(out, bf16, row + i, 0.0f);
-            continue;
-        }
-        const int first = side ? v_first : k_first;
-        const int last = side ? v_last : k_last;
-        const SideGeometry g = geometry(fmt, n, block_size);
-        const i64 block = slot / block_size, offset = slot - block * block_size;
-        const u8* base = (const u8*)((side ? v_pool : k_pool) + block * (side ? v_block_stride : k_block_stride));
-        const u8* data = base + offset * g.row_bytes;
-        const u8* scales = base + g.data_section + offset * g.scale_row_bytes;
-        if (fmt == FMT_BF16 || fmt == FMT_FP8) {
-            const float scale = side ? v_scale : k_scale;
-            for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                const float x = fmt == FMT_BF16 ? bf16_decode(((const u16*)data)[i]) : e4m3_decode(data[i]) * scale;
-                store_value(out, bf16, row + i, x);
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < num_tokens; i += (i64)gridDim.x * blockDim.x) {
+        const i64 s = slots[i];
+        if (s < 0 || s >= limit) continue;
+        for (i64 j = 0; j < i; j++) {
+            if (slots[j] == s) {
+                atomicMin(duplicate, (unsigned long long)s);
+                break;
             }
-            continue;
-        }
-        const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
-        if (first < 0) {
-            for (int gi = threadIdx.x; gi < n / GROUP; gi += blockDim.x) {
-                float x[GROUP];
-                decode_group(fmt, data + gi * group_bytes, scales + gi * ssize, x);
-                for (int i = 0; i < GROUP; i++) store_value(out, bf16, row + gi * GROUP + i, x[i]);
-            }
-            continue;
-        }
-        for (int h = 0; h < heads; h++) {
-            for (int gi = threadIdx.x; gi < head_dim / GROUP; gi += blockDim.x) {
-                const int group = h * (head_dim / GROUP) + gi;
-                decode_group(fmt, data + group * group_bytes, scales + group * ssize, kv_buf + gi * GROUP);
-            }
-            __syncthreads();
-            rotate_shared(kv_buf, head_dim, first, last, inv_sqrt_n);
-            for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-                store_value(out, bf16, row + h * head_dim + d, kv_buf[d]);
-            __syncthreads();
         }
     }
 }
@@ -461,13 +1091,19 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
 // Sum, sum of |x| and sum of squares of every stored value of the listed blocks of one pool,
 // decoded by the read path's decoders above without unrotation (fp8 as its E4M3 values,
 // without the per-tensor scale). Decoded values are float32: each finite one is
-// m * 2^(s - 149) (m < 2^24, 0 <= s <= 253), so each thread adds integers in units 2^-149
-// (values) and 2^-298 (squares) into carry-save accumulators of 32-bit digits held in int64
-// words; integer addition is exact and associative, so every grid, CTA order and thread count
-// gives the same words, which pagedkv/exact_sum.py (stats_from_f32_words) rounds once to
-// float64. Non-finite values only set flag bits. Pass 1: each CTA writes CS_RESULT_WORDS
-// words; pass 2: one CTA adds the partials. CHECKSUM_THREADS, F32_SUM_DIGITS and
-// F32_SSQ_DIGITS come from Python as -D options (pagedkv.driver.nvrtc.source_defines).
+// m * 2^(s - 149) (m < 2^24, 0 <= s <= 253). A CTA counts into bins in shared memory and
+// adds each bin once into its wide fixed-point digits (32-bit digits held in int64 words,
+// units 2^-149 and 2^-298) when it flushes:
+// - fp8, nvfp4, turbo4/3/2: a histogram of codes, (scale byte, code) for the grouped
+//   formats: a value's decoded float32 is fixed by its bin, decoded once per bin;
+// - turbo8 (an E4M3 byte times a BF16 scale, rounded in float32): per-exponent bins of the
+//   decoded float32, the sum of m of the positive and of the negative values of shift s and
+//   the sum of m * m in two 24-bit halves.
+// Integer addition is exact and associative, so every grid, CTA order and block size gives
+// the same words, which pagedkv/exact_sum.py (stats_from_f32_words) rounds once to float64.
+// Non-finite values only set flag bits. Pass 1: each CTA writes CS_RESULT_WORDS words; pass
+// 2: one CTA adds the partials. CHECKSUM_THREADS, F32_SUM_DIGITS and F32_SSQ_DIGITS come
+// from Python as -D options (pagedkv.driver.nvrtc.source_defines).
 
 #if !defined(CHECKSUM_THREADS) || !defined(F32_SUM_DIGITS) || !defined(F32_SSQ_DIGITS)
 #error "compile with -DCHECKSUM_THREADS=... -DF32_SUM_DIGITS=... -DF32_SSQ_DIGITS=... (pagedkv.driver.nvrtc.source_defines)"
@@ -478,28 +1114,43 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(
 #define CS_SSQ_AT (2 * F32_SUM_DIGITS)
 #define CS_FLAGS_AT (2 * F32_SUM_DIGITS + F32_SSQ_DIGITS)
 #define CS_RESULT_WORDS (CS_FLAGS_AT + 1)
-#define CS_NORMALIZE_EVERY (1 << 29)  // each add puts < 2^33 into a digit: 2^29 adds cannot overflow
-#define CS_WORDS_PER_ROUND 19         // words of the shared tree per round: CS_RESULT_WORDS (37) in two
 
 #define CS_FLAG_NAN 1u
 #define CS_FLAG_POS_INF 2u
 #define CS_FLAG_NEG_INF 4u
 
-struct ExactAcc {
-    i64 d[CS_FLAGS_AT];
-    u32 flags;
-    u32 pending;  // values added since the last normalize
-};
+#define CS_HIST 4096               // (scale byte, code) bins of the 16-code formats
+#define CS_SHIFTS 256              // float32 shifts 0..253 (turbo8)
+#define CS_FLUSH_AFTER (1u << 31)  // values between flushes: a count (u32) cannot overflow
+#define CS_GROUPS 8                // groups a thread loads at once on the vector path
+#define CS_CTAS 4                  // resident CTAs an SM the partial pass is built for (64 registers)
 
-__device__ __forceinline__ void exact_init(ExactAcc& a) {
+__shared__ u32 cs_hist[CS_HIST];
+__shared__ u64 cs_exp[4][CS_SHIFTS];  // turbo8: sum m of positives, of negatives, m*m >> 24, m*m & 0xFFFFFF
+__shared__ i64 cs_digits[CS_FLAGS_AT];
+__shared__ u32 cs_flags;
+
+// digits[0, n) += sign * v * 2^shift (v < 2^63) with shared atomics; the top digit takes
+// what lies above it (a carry-save top digit is signed and unbounded).
+__device__ __forceinline__ void cs_wide_add(i64* digits, int n, u64 v, u32 shift, bool negative) {
+    const int k = (int)(shift >> 5);
+    const u32 r = shift & 31u;
+    const u64 lo = (v & 0xFFFFFFFFull) << r, hi = (v >> 32) << r;
+    u64 piece[3] = {lo & 0xFFFFFFFFull, (lo >> 32) + (hi & 0xFFFFFFFFull), hi >> 32};
 #pragma unroll
-    for (int i = 0; i < CS_FLAGS_AT; i++) a.d[i] = 0;
-    a.flags = 0;
-    a.pending = 0;
+    for (int i = 0; i < 3; i++) {
+        if (!piece[i]) continue;
+        int at = k + i;
+        u64 p = piece[i];
+        if (at >= n) {  // only the top piece reaches past the top digit, and by one digit
+            at = n - 1;
+            p <<= 32;
+        }
+        atomicAdd((u64*)&digits[at], negative ? (u64)(-(i64)p) : p);
+    }
 }
 
-// Propagate the carries of digits d[0, n): every digit but the top ends in [0, 2^32).
-__device__ __forceinline__ void exact_carry(i64* d, int n) {
+__device__ __forceinline__ void cs_carry(i64* d, int n) {
     for (int i = 0; i + 1 < n; i++) {
         const i64 c = d[i] >> 32;  // arithmetic shift: floor division by 2^32
         d[i] -= c * 4294967296LL;
@@ -507,120 +1158,276 @@ __device__ __forceinline__ void exact_carry(i64* d, int n) {
     }
 }
 
-__device__ __forceinline__ void exact_normalize(ExactAcc& a) {
-    exact_carry(a.d + CS_SUM_AT, F32_SUM_DIGITS);
-    exact_carry(a.d + CS_SABS_AT, F32_SUM_DIGITS);
-    exact_carry(a.d + CS_SSQ_AT, F32_SSQ_DIGITS);
-    a.pending = 0;
+__device__ __forceinline__ void cs_flag(u32 bits) {
+    atomicOr(&cs_flags, (bits & 0x007FFFFFu) ? CS_FLAG_NAN : ((bits >> 31) ? CS_FLAG_NEG_INF : CS_FLAG_POS_INF));
 }
 
-__device__ __forceinline__ void exact_add(ExactAcc& a, float x) {
+// `count` copies of float32 x into the CTA's digits.
+__device__ void cs_add_copies(u64 count, float x) {
     const u32 bits = __float_as_uint(x);
-    const u32 e = (bits >> 23) & 0xFFu;
-    const u32 f = bits & 0x7FFFFFu;
+    const u32 e = (bits >> 23) & 0xFFu, f = bits & 0x7FFFFFu;
     if (e == 0xFFu) {
-        a.flags |= f ? CS_FLAG_NAN : ((bits >> 31) ? CS_FLAG_NEG_INF : CS_FLAG_POS_INF);
+        cs_flag(bits);
         return;
     }
-    const u32 m = e ? (f | 0x800000u) : f;
-    if (m == 0) return;
+    const u64 m = e ? (f | 0x800000u) : f;
+    if (!m) return;
     const u32 s = e ? e - 1 : 0;
-    const u64 v = (u64)m << (s & 31);  // < 2^55
-    const int dv = (int)(s >> 5);
-    const i64 lo = (i64)(v & 0xFFFFFFFFull), hi = (i64)(v >> 32);
-    if (bits >> 31) {
-        a.d[CS_SUM_AT + dv] -= lo;
-        a.d[CS_SUM_AT + dv + 1] -= hi;
-    } else {
-        a.d[CS_SUM_AT + dv] += lo;
-        a.d[CS_SUM_AT + dv + 1] += hi;
-    }
-    a.d[CS_SABS_AT + dv] += lo;
-    a.d[CS_SABS_AT + dv + 1] += hi;
-    const u64 mm = (u64)m * m;  // < 2^48
-    const u32 r = (2 * s) & 31;
-    const int dq = (int)((2 * s) >> 5);
-    const u64 q_lo = (mm & 0xFFFFFFFFull) << r;  // < 2^63
-    const u64 q_hi = (mm >> 32) << r;            // < 2^47
-    a.d[CS_SSQ_AT + dq] += (i64)(q_lo & 0xFFFFFFFFull);
-    a.d[CS_SSQ_AT + dq + 1] += (i64)(q_lo >> 32) + (i64)(q_hi & 0xFFFFFFFFull);
-    a.d[CS_SSQ_AT + dq + 2] += (i64)(q_hi >> 32);
-    if (++a.pending == CS_NORMALIZE_EVERY) exact_normalize(a);
+    cs_wide_add(cs_digits + CS_SUM_AT, F32_SUM_DIGITS, count * m, s, bits >> 31);
+    cs_wide_add(cs_digits + CS_SABS_AT, F32_SUM_DIGITS, count * m, s, false);
+    const u64 mm = m * m;  // < 2^48
+    cs_wide_add(cs_digits + CS_SSQ_AT, F32_SSQ_DIGITS, count * (mm >> 24), 2 * s + 24, false);
+    cs_wide_add(cs_digits + CS_SSQ_AT, F32_SSQ_DIGITS, count * (mm & 0xFFFFFFu), 2 * s, false);
 }
 
-// Sum every thread's words over the CTA (flags OR-ed); thread 0 writes them to `out`. The
-// caller normalised each thread's digits (< 2^32 but the signed top), so the CTA's sums stay
-// far inside int64.
-__device__ void exact_cta_write(const ExactAcc& a, i64* __restrict__ out) {
-    __shared__ i64 cs_sh[CS_WORDS_PER_ROUND][CHECKSUM_THREADS];
-    for (int first = 0; first < CS_RESULT_WORDS; first += CS_WORDS_PER_ROUND) {
-#pragma unroll
-        for (int j = 0; j < CS_WORDS_PER_ROUND; j++)
-            cs_sh[j][threadIdx.x] = first + j < CS_FLAGS_AT ? a.d[first + j] : (i64)a.flags;
-        __syncthreads();
-        for (int half = CHECKSUM_THREADS / 2; half > 0; half >>= 1) {
-            if (threadIdx.x < half) {
-#pragma unroll
-                for (int j = 0; j < CS_WORDS_PER_ROUND; j++) {
-                    if (first + j < CS_FLAGS_AT) cs_sh[j][threadIdx.x] += cs_sh[j][threadIdx.x + half];
-                    else cs_sh[j][threadIdx.x] |= cs_sh[j][threadIdx.x + half];
-                }
-            }
-            __syncthreads();
+// Codes per scale of a code-histogram format (fp8: its 256 bytes, one "scale").
+__device__ __forceinline__ int cs_codes(int fmt) {
+    return fmt == FMT_TURBO3 ? 8 : (fmt == FMT_TURBO2 ? 4 : 16);
+}
+
+// The decoded float32 of histogram bin b: what decode_group / e4m3_decode give.
+__device__ float cs_bin_value(int fmt, int b) {
+    if (fmt == FMT_FP8) return e4m3_decode((u32)b);
+    const int codes = cs_codes(fmt);
+    const u32 code = (u32)(b % codes);
+    const float d = e4m3_decode((u32)(b / codes));
+    if (fmt == FMT_NVFP4) {
+        const float m = E2M1_MAGNITUDES[code & 7u];
+        return (code & 8u ? -m : m) * d;
+    }
+    const float* levels;
+    const float* bounds;
+    turbo_levels(fmt, &levels, &bounds);
+    return levels[code] * d;
+}
+
+__device__ void cs_init() {
+    for (int i = threadIdx.x; i < CS_HIST; i += blockDim.x) cs_hist[i] = 0;
+    for (int i = threadIdx.x; i < 4 * CS_SHIFTS; i += blockDim.x) cs_exp[i / CS_SHIFTS][i % CS_SHIFTS] = 0;
+    for (int i = threadIdx.x; i < CS_FLAGS_AT; i += blockDim.x) cs_digits[i] = 0;
+    if (threadIdx.x == 0) cs_flags = 0;
+    __syncthreads();
+}
+
+// Add every bin into the CTA's digits (once per bin), clear the bins, propagate carries.
+__device__ void cs_flush(int fmt) {
+    __syncthreads();
+    if (fmt == FMT_TURBO8) {
+        for (int s = threadIdx.x; s < CS_SHIFTS; s += blockDim.x) {
+            const u64 p = cs_exp[0][s], n = cs_exp[1][s], qh = cs_exp[2][s], ql = cs_exp[3][s];
+            if (p != n) cs_wide_add(cs_digits + CS_SUM_AT, F32_SUM_DIGITS, p > n ? p - n : n - p, (u32)s, n > p);
+            if (p | n) cs_wide_add(cs_digits + CS_SABS_AT, F32_SUM_DIGITS, p + n, (u32)s, false);
+            if (qh) cs_wide_add(cs_digits + CS_SSQ_AT, F32_SSQ_DIGITS, qh, 2u * (u32)s + 24u, false);
+            if (ql) cs_wide_add(cs_digits + CS_SSQ_AT, F32_SSQ_DIGITS, ql, 2u * (u32)s, false);
+            cs_exp[0][s] = cs_exp[1][s] = cs_exp[2][s] = cs_exp[3][s] = 0;
         }
-        if (threadIdx.x == 0)
-            for (int j = 0; j < CS_WORDS_PER_ROUND && first + j < CS_RESULT_WORDS; j++) out[first + j] = cs_sh[j][0];
-        __syncthreads();
+    } else {
+        const int bins = fmt == FMT_FP8 ? 256 : 256 * cs_codes(fmt);
+        for (int b = threadIdx.x; b < bins; b += blockDim.x) {
+            const u32 count = cs_hist[b];
+            if (!count) continue;
+            cs_add_copies(count, cs_bin_value(fmt, b));
+            cs_hist[b] = 0;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        cs_carry(cs_digits + CS_SUM_AT, F32_SUM_DIGITS);
+        cs_carry(cs_digits + CS_SABS_AT, F32_SUM_DIGITS);
+        cs_carry(cs_digits + CS_SSQ_AT, F32_SSQ_DIGITS);
+    }
+    __syncthreads();
+}
+
+// One decoded turbo8 value into the per-exponent bins.
+__device__ __forceinline__ void cs_bin_float(float x) {
+    const u32 bits = __float_as_uint(x);
+    const u32 e = (bits >> 23) & 0xFFu, f = bits & 0x7FFFFFu;
+    if (e == 0xFFu) {
+        cs_flag(bits);
+        return;
+    }
+    const u64 m = e ? (f | 0x800000u) : f;
+    if (!m) return;
+    const u32 s = e ? e - 1 : 0;
+    atomicAdd(&cs_exp[bits >> 31][s], m);
+    const u64 mm = m * m;
+    atomicAdd(&cs_exp[2][s], mm >> 24);
+    atomicAdd(&cs_exp[3][s], mm & 0xFFFFFFu);
+}
+
+// The 16 codes of group `g` of a row of `bits`-bit codes held in w (a bit stream, first code
+// in the lowest bits, as FORMATS.md packs them), counted into the histogram of scale byte sb.
+template <int BITS, int WORDS>
+__device__ __forceinline__ void cs_count_group(const u32 (&w)[WORDS], int g, u32 sb) {
+    u32* hist = cs_hist + sb * (1u << BITS);
+#pragma unroll
+    for (int i = 0; i < GROUP; i++) {
+        const int bit = (g * GROUP + i) * BITS;
+        const u64 pair = (u64)w[bit >> 5] | ((bit >> 5) + 1 < WORDS ? (u64)w[(bit >> 5) + 1] << 32 : 0ull);
+        atomicAdd(&hist[(u32)(pair >> (bit & 31)) & ((1u << BITS) - 1u)], 1u);
     }
 }
 
-// Launch with CHECKSUM_THREADS threads; `partials` holds CS_RESULT_WORDS int64 words per CTA.
-// Block b of the pool is at pool + b * block_stride, laid out as FORMATS.md says for `fmt`
-// with `row_elements` values a token and `block_size` tokens; a BF16 pool is 2-byte aligned
-// (checked in Python).
-extern "C" __global__ void __launch_bounds__(CHECKSUM_THREADS) pagedkv_kv_checksum_partial(
+// Vector path of a grouped format with BITS-bit codes: each thread loads CS_GROUPS groups'
+// data (16-byte loads) and their scale bytes (one 8-byte load) before counting any.
+template <int BITS>
+__device__ void cs_grouped_vector(const u8* base, i64 data_section, i64 groups, i64& pending, int fmt) {
+    constexpr int DATA_WORDS = CS_GROUPS * GROUP * BITS / 32;  // u32 words of CS_GROUPS groups
+    const i64 chunks = groups / CS_GROUPS;
+    for (i64 c0 = 0; c0 < chunks; c0 += blockDim.x) {
+        const i64 c = c0 + threadIdx.x;
+        if (c < chunks) {
+            u32 w[DATA_WORDS];
+            const uint4* data = (const uint4*)(base + c * (DATA_WORDS * 4));
+#pragma unroll
+            for (int q = 0; q < DATA_WORDS / 4; q++) {
+                const uint4 v = __ldcs(data + q);
+                w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+            }
+            const u64 scales = __ldcs((const u64*)(base + data_section + c * CS_GROUPS));
+#pragma unroll
+            for (int g = 0; g < CS_GROUPS; g++) cs_count_group<BITS, DATA_WORDS>(w, g, (u32)(scales >> (8 * g)) & 0xFFu);
+        }
+        const i64 round = (chunks - c0 < (i64)blockDim.x ? chunks - c0 : (i64)blockDim.x) * CS_GROUPS * GROUP;
+        pending += round;
+        if (pending >= (i64)CS_FLUSH_AFTER - (i64)blockDim.x * CS_GROUPS * GROUP) {
+            cs_flush(fmt);
+            pending = 0;
+        }
+    }
+}
+
+// turbo8's vector path: CS_GROUPS groups of 16 E4M3 bytes and their BF16 scales a thread.
+__device__ void cs_turbo8_vector(const u8* base, i64 data_section, i64 groups, i64& pending) {
+    const i64 chunks = groups / CS_GROUPS;
+    for (i64 c0 = 0; c0 < chunks; c0 += blockDim.x) {
+        const i64 c = c0 + threadIdx.x;
+        if (c < chunks) {
+            uint4 v[CS_GROUPS];
+            const uint4* data = (const uint4*)(base + c * (CS_GROUPS * GROUP));
+#pragma unroll
+            for (int g = 0; g < CS_GROUPS; g++) v[g] = __ldcs(data + g);
+            const uint4 sc = __ldcs((const uint4*)(base + data_section + c * (CS_GROUPS * 2)));
+            const u32 sw[4] = {sc.x, sc.y, sc.z, sc.w};
+#pragma unroll
+            for (int g = 0; g < CS_GROUPS; g++) {
+                const float s = bf16_decode((sw[g >> 1] >> (16 * (g & 1))) & 0xFFFFu);
+                const u32 words[4] = {v[g].x, v[g].y, v[g].z, v[g].w};
+#pragma unroll
+                for (int i = 0; i < GROUP; i++) cs_bin_float(e4m3_decode((words[i >> 2] >> (8 * (i & 3))) & 0xFFu) * s);
+            }
+        }
+        pending += (chunks - c0 < (i64)blockDim.x ? chunks - c0 : (i64)blockDim.x) * CS_GROUPS * GROUP;
+        if (pending >= (i64)CS_FLUSH_AFTER - (i64)blockDim.x * CS_GROUPS * GROUP) {
+            cs_flush(FMT_TURBO8);
+            pending = 0;
+        }
+    }
+}
+
+// Any geometry: a group a thread, byte loads.
+__device__ void cs_grouped_scalar(int fmt, const u8* base, i64 data_section, i64 groups, i64& pending) {
+    const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
+    for (i64 g0 = 0; g0 < groups; g0 += blockDim.x) {
+        const i64 gi = g0 + threadIdx.x;
+        if (gi < groups) {
+            const u8* data = base + gi * group_bytes;
+            const u8* scale = base + data_section + gi * ssize;
+            if (fmt == FMT_TURBO8) {
+                const float s = bf16_decode((u32)scale[0] | ((u32)scale[1] << 8));
+                for (int i = 0; i < GROUP; i++) cs_bin_float(e4m3_decode(data[i]) * s);
+            } else {
+                u32 codes[GROUP];
+                unpack_codes(data, format_bits(fmt), codes);
+                u32* hist = cs_hist + (u32)scale[0] * cs_codes(fmt);
+                for (int i = 0; i < GROUP; i++) atomicAdd(&hist[codes[i]], 1u);
+            }
+        }
+        pending += (groups - g0 < (i64)blockDim.x ? groups - g0 : (i64)blockDim.x) * GROUP;
+        if (pending >= (i64)CS_FLUSH_AFTER - (i64)blockDim.x * GROUP) {
+            cs_flush(fmt);
+            pending = 0;
+        }
+    }
+}
+
+// fp8: the block's bytes counted into the 256-bin histogram, 16-byte loads between a
+// scalar head and tail.
+__device__ void cs_fp8(const u8* base, i64 values, i64& pending) {
+    i64 head = (i64)((16u - ((u32)(u64)base & 15u)) & 15u);
+    if (head > values) head = values;
+    const i64 nwords = (values - head) >> 4;
+    const i64 tail = head + (nwords << 4);
+    if (threadIdx.x < head) atomicAdd(&cs_hist[base[threadIdx.x]], 1u);
+    for (i64 i = tail + threadIdx.x; i < values; i += blockDim.x) atomicAdd(&cs_hist[base[i]], 1u);
+    const uint4* words = (const uint4*)(base + head);
+    const i64 step = 2 * (i64)blockDim.x;
+    for (i64 w0 = 0; w0 < nwords; w0 += step) {
+        uint4 v[2];
+        bool have[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const i64 w = w0 + threadIdx.x + (i64)u * blockDim.x;
+            have[u] = w < nwords;
+            if (have[u]) v[u] = __ldcs(words + w);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (!have[u]) continue;
+            const u32 q[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+            for (int i = 0; i < 16; i++) atomicAdd(&cs_hist[(q[i >> 2] >> (8 * (i & 3))) & 0xFFu], 1u);
+        }
+    }
+    pending += values;
+}
+
+// `partials` holds CS_RESULT_WORDS int64 words per CTA. Block b of the pool is at pool + b *
+// block_stride, laid out as FORMATS.md says for `fmt` with `row_elements` values a token and
+// `block_size` tokens. Any block size works (loops stride by blockDim.x).
+extern "C" __global__ void __launch_bounds__(CHECKSUM_THREADS, CS_CTAS) pagedkv_kv_checksum_partial(
     u64 pool, i64 block_stride, const int* __restrict__ blocks, int num_blocks,
     int fmt, int row_elements, int block_size, i64* __restrict__ partials)
 {
-    if (blockDim.x != CHECKSUM_THREADS) __trap();
-    ExactAcc a;
-    exact_init(a);
+    cs_init();
     const SideGeometry g = geometry(fmt, row_elements, block_size);
     const i64 values = (i64)row_elements * block_size;
     const i64 groups = values / GROUP;
-    const int group_bytes = GROUP * format_bits(fmt) / 8, ssize = scale_size(fmt);
+    // the vector path needs 16-byte aligned blocks, whole chunks of CS_GROUPS groups and an
+    // aligned scale section (8 scale bytes a load; turbo8's 16)
+    const bool vector = ((pool | (u64)block_stride) & 15u) == 0 && groups % CS_GROUPS == 0 &&
+                        (g.data_section & (fmt == FMT_TURBO8 ? 15 : 7)) == 0;
+    i64 pending = 0;  // values binned since the last flush (uniform over the CTA)
     for (int k = blockIdx.x; k < num_blocks; k += gridDim.x) {
         const u8* base = (const u8*)(pool + (i64)blocks[k] * block_stride);
-        if (fmt == FMT_BF16) {
-            for (i64 i = threadIdx.x; i < values; i += CHECKSUM_THREADS) exact_add(a, bf16_decode(((const u16*)base)[i]));
-        } else if (fmt == FMT_FP8) {
-            for (i64 i = threadIdx.x; i < values; i += CHECKSUM_THREADS) exact_add(a, e4m3_decode(base[i]));
-        } else {
-            // group G of the block: data rows are contiguous, so its bytes are at G * group_bytes
-            // and its scale at data_section + G * ssize, whatever token it belongs to
-            for (i64 gi = threadIdx.x; gi < groups; gi += CHECKSUM_THREADS) {
-                float x[GROUP];
-                decode_group(fmt, base + gi * group_bytes, base + g.data_section + gi * ssize, x);
-                for (int i = 0; i < GROUP; i++) exact_add(a, x[i]);
-            }
+        if (pending + values > (i64)CS_FLUSH_AFTER) {
+            cs_flush(fmt);
+            pending = 0;
         }
+        if (fmt == FMT_FP8) cs_fp8(base, values, pending);
+        else if (!vector) cs_grouped_scalar(fmt, base, g.data_section, groups, pending);
+        else if (fmt == FMT_TURBO8) cs_turbo8_vector(base, g.data_section, groups, pending);
+        else if (fmt == FMT_TURBO3) cs_grouped_vector<3>(base, g.data_section, groups, pending, fmt);
+        else if (fmt == FMT_TURBO2) cs_grouped_vector<2>(base, g.data_section, groups, pending, fmt);
+        else cs_grouped_vector<4>(base, g.data_section, groups, pending, fmt);
     }
-    exact_normalize(a);
-    exact_cta_write(a, partials + (i64)CS_RESULT_WORDS * blockIdx.x);
+    cs_flush(fmt);
+    i64* out = partials + (i64)CS_RESULT_WORDS * blockIdx.x;
+    for (int j = threadIdx.x; j < CS_RESULT_WORDS; j += blockDim.x) out[j] = j < CS_FLAGS_AT ? cs_digits[j] : (i64)cs_flags;
 }
 
-// Launch one CTA of CHECKSUM_THREADS threads: adds `num_partials` partial results into `out`.
+// One CTA: adds `num_partials` partial results into `out`, thread j summing word j of every
+// partial (their digits are < 2^32 but the signed top, so sums stay far inside int64).
 extern "C" __global__ void __launch_bounds__(CHECKSUM_THREADS) pagedkv_kv_checksum_final(
     const i64* __restrict__ partials, int num_partials, i64* __restrict__ out)
 {
-    if (blockDim.x != CHECKSUM_THREADS) __trap();
-    ExactAcc a;
-    exact_init(a);
-    for (int p = threadIdx.x; p < num_partials; p += CHECKSUM_THREADS) {
-        const i64* part = partials + (i64)CS_RESULT_WORDS * p;
-        for (int j = 0; j < CS_FLAGS_AT; j++) a.d[j] += part[j];
-        a.flags |= (u32)part[CS_FLAGS_AT];
-        exact_normalize(a);  // a partial's digits are < 2^41: normalising after each keeps a far from overflow
+    for (int j = threadIdx.x; j < CS_RESULT_WORDS; j += blockDim.x) {
+        i64 acc = 0;
+        for (int p = 0; p < num_partials; p++) {
+            const i64 w = partials[(i64)CS_RESULT_WORDS * p + j];
+            acc = j < CS_FLAGS_AT ? acc + w : (acc | w);
+        }
+        out[j] = acc;
     }
-    exact_cta_write(a, out);
 }

@@ -1,12 +1,15 @@
 // Exact BF16 reductions (sum, sum of |x|, sum of squares) over listed blocks of one region.
-// Every finite BF16 value is m * 2^(s - 133) (m < 2^8, 0 <= s <= 253), so each thread adds
-// integers into carry-save accumulators: 32-bit digits held in int64 words, carries deferred
-// and propagated every NORMALIZE_EVERY values and at the end. Integer addition is exact and
-// associative, so the result is the same for every grid, CTA order and thread count;
-// pagedkv/exact_sum.py rounds it once to float64. Non-finite values only set flag bits.
-// Pass 1: each CTA writes RESULT_WORDS words; pass 2: one CTA adds the partials.
-// REDUCE_THREADS, SUM_DIGITS and SSQ_DIGITS come from Python as -D options
-// (pagedkv.driver.nvrtc.source_defines); a launch with another blockDim.x traps.
+// Every finite BF16 value is m * 2^(s - 133) (m < 2^8, 0 <= s <= 253). Each CTA counts its
+// values into per-exponent bins in shared memory (32-bit integers: the sum of m of the
+// positive and of the negative values of shift s, and the sum of m * m), one shared
+// atomic per bin and value; every FLUSH_AFTER values the bins are added once each into the
+// CTA's wide fixed-point digits (32-bit digits held in int64 words, units 2^-133 and
+// 2^-266) and cleared. Integer addition is exact and associative, so the result is the same
+// for every grid, CTA order and thread count; pagedkv/exact_sum.py rounds it once to
+// float64. Non-finite values only set flag bits. Pass 1: each CTA writes RESULT_WORDS
+// words; pass 2: one CTA adds the partials. Any block size works (loops stride by
+// blockDim.x); REDUCE_THREADS (the launch's) bounds it. REDUCE_THREADS, SUM_DIGITS and
+// SSQ_DIGITS come from Python as -D options (pagedkv.driver.nvrtc.source_defines).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -22,26 +25,40 @@ typedef long long i64;
 #define SSQ_AT (2 * SUM_DIGITS)
 #define FLAGS_AT (2 * SUM_DIGITS + SSQ_DIGITS)
 #define RESULT_WORDS (FLAGS_AT + 1)
-#define NORMALIZE_EVERY (1 << 30)  // each add puts < 2^32 into a digit: 2^30 adds cannot overflow
 
 #define FLAG_NAN 1u
 #define FLAG_POS_INF 2u
 #define FLAG_NEG_INF 4u
 
-struct Acc {
-    i64 d[FLAGS_AT];
-    u32 flags;
-    u32 pending;  // values added since the last normalize
-};
+#define BINS 256              // shifts 0..253
+#define LOADS 2               // 16-byte loads a thread issues before binning them
+#define FLUSH_AFTER (1 << 15) // values: a round adds < 2^15 more, so a square bin stays < 2^32
 
-__device__ __forceinline__ void acc_init(Acc& a) {
+__shared__ u32 bin_pos[BINS], bin_neg[BINS], bin_sq[BINS];
+__shared__ i64 cta_digits[FLAGS_AT];
+__shared__ u32 cta_flags;
+
+// digits[0, n) += sign * v * 2^shift (v < 2^63) with shared atomics; the top digit takes
+// what lies above it (a carry-save top digit is signed and unbounded).
+__device__ __forceinline__ void wide_add(i64* digits, int n, u64 v, u32 shift, bool negative) {
+    const int k = (int)(shift >> 5);
+    const u32 r = shift & 31u;
+    const u64 lo = (v & 0xFFFFFFFFull) << r, hi = (v >> 32) << r;
+    u64 piece[3] = {lo & 0xFFFFFFFFull, (lo >> 32) + (hi & 0xFFFFFFFFull), hi >> 32};
 #pragma unroll
-    for (int i = 0; i < FLAGS_AT; i++) a.d[i] = 0;
-    a.flags = 0;
-    a.pending = 0;
+    for (int i = 0; i < 3; i++) {
+        if (!piece[i]) continue;
+        int at = k + i;
+        u64 p = piece[i];
+        if (at >= n) {  // only the top piece reaches past the top digit, and by one digit
+            at = n - 1;
+            p <<= 32;
+        }
+        atomicAdd((u64*)&digits[at], negative ? (u64)(-(i64)p) : p);
+    }
 }
 
-// Propagate the carries of digits [at, at + n): every digit but the top ends in [0, 2^32).
+// Propagate the carries of digits d[0, n): every digit but the top ends in [0, 2^32).
 __device__ __forceinline__ void carry(i64* d, int n) {
     for (int i = 0; i + 1 < n; i++) {
         const i64 c = d[i] >> 32;  // arithmetic shift: floor division by 2^32
@@ -50,89 +67,65 @@ __device__ __forceinline__ void carry(i64* d, int n) {
     }
 }
 
-__device__ __forceinline__ void normalize(Acc& a) {
-    carry(a.d + SUM_AT, SUM_DIGITS);
-    carry(a.d + SABS_AT, SUM_DIGITS);
-    carry(a.d + SSQ_AT, SSQ_DIGITS);
-    a.pending = 0;
+__device__ void init_cta() {
+    for (int i = threadIdx.x; i < BINS; i += blockDim.x) bin_pos[i] = bin_neg[i] = bin_sq[i] = 0;
+    for (int i = threadIdx.x; i < FLAGS_AT; i += blockDim.x) cta_digits[i] = 0;
+    if (threadIdx.x == 0) cta_flags = 0;
+    __syncthreads();
 }
 
-__device__ __forceinline__ void add_bits(Acc& a, u32 bits) {
-    const u32 e = (bits >> 7) & 0xFFu;
-    const u32 f = bits & 0x7Fu;
+// Add every bin into the CTA's digits (once per bin), clear the bins, propagate carries.
+__device__ void flush_bins() {
+    __syncthreads();
+    for (int s = threadIdx.x; s < BINS; s += blockDim.x) {
+        const u64 p = bin_pos[s], n = bin_neg[s], q = bin_sq[s];
+        if (p != n) wide_add(cta_digits + SUM_AT, SUM_DIGITS, p > n ? p - n : n - p, (u32)s, n > p);
+        if (p | n) wide_add(cta_digits + SABS_AT, SUM_DIGITS, p + n, (u32)s, false);
+        if (q) wide_add(cta_digits + SSQ_AT, SSQ_DIGITS, q, 2u * (u32)s, false);
+        bin_pos[s] = bin_neg[s] = bin_sq[s] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        carry(cta_digits + SUM_AT, SUM_DIGITS);
+        carry(cta_digits + SABS_AT, SUM_DIGITS);
+        carry(cta_digits + SSQ_AT, SSQ_DIGITS);
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void bin_value(u32 bits) {
+    const u32 e = (bits >> 7) & 0xFFu, f = bits & 0x7Fu;
     if (e == 0xFFu) {
-        a.flags |= f ? FLAG_NAN : ((bits & 0x8000u) ? FLAG_NEG_INF : FLAG_POS_INF);
+        atomicOr(&cta_flags, f ? FLAG_NAN : ((bits & 0x8000u) ? FLAG_NEG_INF : FLAG_POS_INF));
         return;
     }
     const u32 m = e ? (f | 0x80u) : f;
     if (m == 0) return;
     const u32 s = e ? e - 1 : 0;
-    const u64 v = (u64)m << (s & 31);  // < 2^39
-    const int dv = (int)(s >> 5);
-    const i64 lo = (i64)(v & 0xFFFFFFFFull), hi = (i64)(v >> 32);
-    if (bits & 0x8000u) {
-        a.d[SUM_AT + dv] -= lo;
-        a.d[SUM_AT + dv + 1] -= hi;
-    } else {
-        a.d[SUM_AT + dv] += lo;
-        a.d[SUM_AT + dv + 1] += hi;
-    }
-    a.d[SABS_AT + dv] += lo;
-    a.d[SABS_AT + dv + 1] += hi;
-    const u32 s2 = 2 * s;
-    const u64 q = (u64)(m * m) << (s2 & 31);  // < 2^47
-    const int dq = (int)(s2 >> 5);
-    a.d[SSQ_AT + dq] += (i64)(q & 0xFFFFFFFFull);
-    a.d[SSQ_AT + dq + 1] += (i64)(q >> 32);
-    if (++a.pending == NORMALIZE_EVERY) normalize(a);
+    atomicAdd((bits & 0x8000u) ? &bin_neg[s] : &bin_pos[s], m);
+    atomicAdd(&bin_sq[s], m * m);
 }
 
-__device__ __forceinline__ void add_word(Acc& a, u32 w) {
-    add_bits(a, w & 0xFFFFu);
-    add_bits(a, w >> 16);
+__device__ __forceinline__ void bin_word(u32 w) {
+    bin_value(w & 0xFFFFu);
+    bin_value(w >> 16);
 }
 
-#define WORDS_PER_ROUND 12  // RESULT_WORDS (36) in three rounds of a shared tree
-#if RESULT_WORDS % WORDS_PER_ROUND
-#error "RESULT_WORDS must be a multiple of WORDS_PER_ROUND"
-#endif
-
-// Sum every thread's words over the CTA (flags OR-ed); thread 0 writes them to `out`.
-// The caller normalised each thread's digits (< 2^32 but the signed top), so the CTA's
-// sums stay far inside int64.
-__device__ void cta_write(const Acc& a, i64* __restrict__ out) {
-    __shared__ i64 sh[WORDS_PER_ROUND][REDUCE_THREADS];
-    for (int first = 0; first < RESULT_WORDS; first += WORDS_PER_ROUND) {
-#pragma unroll
-        for (int j = 0; j < WORDS_PER_ROUND; j++)
-            sh[j][threadIdx.x] = first + j < FLAGS_AT ? a.d[first + j] : (i64)a.flags;
-        __syncthreads();
-        for (int half = REDUCE_THREADS / 2; half > 0; half >>= 1) {
-            if (threadIdx.x < half) {
-#pragma unroll
-                for (int j = 0; j < WORDS_PER_ROUND; j++) {
-                    if (first + j < FLAGS_AT) sh[j][threadIdx.x] += sh[j][threadIdx.x + half];
-                    else sh[j][threadIdx.x] |= sh[j][threadIdx.x + half];
-                }
-            }
-            __syncthreads();
-        }
-        if (threadIdx.x == 0)
-            for (int j = 0; j < WORDS_PER_ROUND; j++) out[first + j] = sh[j][0];
-        __syncthreads();
-    }
+// The CTA's words (flushed) to `out`: digits, then the flags word.
+__device__ void write_cta(i64* __restrict__ out) {
+    for (int j = threadIdx.x; j < RESULT_WORDS; j += blockDim.x) out[j] = j < FLAGS_AT ? cta_digits[j] : (i64)cta_flags;
 }
 
-// Launch with REDUCE_THREADS threads; `partials` holds RESULT_WORDS int64 words per CTA.
-// `base` and `stride` are even (checked in Python), so every value is 2-byte aligned.
+// `partials` holds RESULT_WORDS int64 words per CTA. `base` and `stride` are even (checked
+// in Python), so every value is 2-byte aligned.
 extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) pagedkv_reduce_bf16_partial(
     long long base, long long stride, long long nbytes,
     const int* __restrict__ blocks, int num_blocks, long long* __restrict__ partials)
 {
-    if (blockDim.x != REDUCE_THREADS) __trap();
-    Acc a;
-    acc_init(a);
+    init_cta();
     const i64 nvalues = nbytes >> 1;
+    const i64 step = (i64)blockDim.x * LOADS;  // 16-byte words a round of the CTA
+    i64 pending = 0;                            // values binned since the last flush (uniform)
     for (int k = blockIdx.x; k < num_blocks; k += gridDim.x) {
         const u16* values = (const u16*)(base + (i64)blocks[k] * stride);
         // head: values up to the first 16-byte boundary; body: 16-byte words; then the tail
@@ -140,34 +133,53 @@ extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) pagedkv_reduce_bf16
         if (head > nvalues) head = nvalues;
         const i64 nwords = (nvalues - head) >> 3;
         const i64 tail = head + (nwords << 3);
-        if (threadIdx.x < head) add_bits(a, values[threadIdx.x]);
+        if (threadIdx.x < head) bin_value(values[threadIdx.x]);
+        for (i64 i = tail + threadIdx.x; i < nvalues; i += blockDim.x) bin_value(values[i]);
+        pending += nvalues - (nwords << 3);
         const uint4* words = (const uint4*)(values + head);
-#pragma unroll 4
-        for (i64 w = threadIdx.x; w < nwords; w += REDUCE_THREADS) {
-            const uint4 v = __ldcs(words + w);
-            add_word(a, v.x);
-            add_word(a, v.y);
-            add_word(a, v.z);
-            add_word(a, v.w);
+        for (i64 w0 = 0; w0 < nwords; w0 += step) {
+            uint4 v[LOADS];
+            bool have[LOADS];
+#pragma unroll
+            for (int u = 0; u < LOADS; u++) {
+                const i64 w = w0 + threadIdx.x + (i64)u * blockDim.x;
+                have[u] = w < nwords;
+                if (have[u]) v[u] = __ldcs(words + w);
+            }
+#pragma unroll
+            for (int u = 0; u < LOADS; u++) {
+                if (!have[u]) continue;
+                bin_word(v[u].x);
+                bin_word(v[u].y);
+                bin_word(v[u].z);
+                bin_word(v[u].w);
+            }
+            pending += 8 * (nwords - w0 < step ? nwords - w0 : step);
+            if (pending >= FLUSH_AFTER) {
+                flush_bins();
+                pending = 0;
+            }
         }
-        for (i64 i = tail + threadIdx.x; i < nvalues; i += REDUCE_THREADS) add_bits(a, values[i]);
+        if (pending >= FLUSH_AFTER) {  // the heads and tails of many blocks
+            flush_bins();
+            pending = 0;
+        }
     }
-    normalize(a);
-    cta_write(a, partials + (i64)RESULT_WORDS * blockIdx.x);
+    flush_bins();
+    write_cta(partials + (i64)RESULT_WORDS * blockIdx.x);
 }
 
-// Launch one CTA of REDUCE_THREADS threads: adds `num_partials` partial results into `out`.
+// One CTA: adds `num_partials` partial results into `out`, thread j summing word j of
+// every partial (their digits are < 2^32 but the signed top, so sums stay far inside int64).
 extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) pagedkv_reduce_bf16_final(
     const long long* __restrict__ partials, int num_partials, long long* __restrict__ out)
 {
-    if (blockDim.x != REDUCE_THREADS) __trap();
-    Acc a;
-    acc_init(a);
-    for (int p = threadIdx.x; p < num_partials; p += REDUCE_THREADS) {
-        const i64* part = partials + (i64)RESULT_WORDS * p;
-        for (int j = 0; j < FLAGS_AT; j++) a.d[j] += part[j];
-        a.flags |= (u32)part[FLAGS_AT];
-        normalize(a);  // a partial's digits are < 2^41: normalising after each keeps a far from overflow
+    for (int j = threadIdx.x; j < RESULT_WORDS; j += blockDim.x) {
+        i64 acc = 0;
+        for (int p = 0; p < num_partials; p++) {
+            const i64 w = partials[(i64)RESULT_WORDS * p + j];
+            acc = j < FLAGS_AT ? acc + w : (acc | w);
+        }
+        out[j] = acc;
     }
-    cta_write(a, out);
 }

@@ -2,8 +2,9 @@
 each fail the checksum check over the stub (kernel_harness/kv_checksum_checks.py, its
 small case at 2 SMs): a dropped carry, a CTA that does nothing, a digit off (of the sum
 and of the squares), negative values added as positive, float32 denormals dropped, NaN
-flagged as +inf, the final pass skipping a partial, a block's last group skipped, a missing __syncthreads in the CTA
-tree, and a wrong E2M1 decode (the table the read path shares). Only the code the harness
+flagged as +inf, the final pass skipping a partial, a block's last chunk of groups skipped,
+the barrier after the bins are cleared missing, a turbo8 scale's low byte dropped, and a
+wrong E2M1 decode (the table the read path shares). Only the code the harness
 executes is mutated; NVRTC compiles the real source. The unmutated copy passes the same
 pipeline.
 """
@@ -28,20 +29,24 @@ BUGS = {
     "cta_does_nothing": ("for (int k = blockIdx.x; k < num_blocks; k += gridDim.x) {\n        const u8* base",
                          "for (int k = blockIdx.x; k < (blockIdx.x == 1 ? 0 : num_blocks); k += gridDim.x) {\n"
                          "        const u8* base"),
-    "sum_digit_off": ("        a.d[CS_SUM_AT + dv + 1] += hi;\n", "        a.d[CS_SUM_AT + dv + 2] += hi;\n"),
-    "square_digit_off": ("a.d[CS_SSQ_AT + dq + 2] += (i64)(q_hi >> 32);", "a.d[CS_SSQ_AT + dq + 1] += (i64)(q_hi >> 32);"),
-    "sign_ignored": ("        a.d[CS_SUM_AT + dv] -= lo;\n", "        a.d[CS_SUM_AT + dv] += lo;\n"),
-    "denormals_dropped": ("const u32 m = e ? (f | 0x800000u) : f;", "const u32 m = e ? (f | 0x800000u) : 0u;"),
-    "nan_flagged_as_inf": ("a.flags |= f ? CS_FLAG_NAN :", "a.flags |= f ? CS_FLAG_POS_INF :"),
-    "final_skips_a_partial": ("for (int p = threadIdx.x; p < num_partials; p += CHECKSUM_THREADS) {\n        const i64* part",
-                              "for (int p = threadIdx.x; p < num_partials - 1; p += CHECKSUM_THREADS) {\n"
-                              "        const i64* part"),
-    "missing_syncthreads": ("cs_sh[j][threadIdx.x] = first + j < CS_FLAGS_AT ? a.d[first + j] : (i64)a.flags;\n"
-                            "        __syncthreads();",
-                            "cs_sh[j][threadIdx.x] = first + j < CS_FLAGS_AT ? a.d[first + j] : (i64)a.flags;\n"),
-    "last_group_skipped": ("for (i64 gi = threadIdx.x; gi < groups; gi += CHECKSUM_THREADS) {",
-                           "for (i64 gi = threadIdx.x; gi < groups - 1; gi += CHECKSUM_THREADS) {"),
+    "sum_digit_off": ("F32_SUM_DIGITS, count * m, s, bits >> 31);", "F32_SUM_DIGITS, count * m, s + 32, bits >> 31);"),
+    "square_digit_off": ("count * (mm >> 24), 2 * s + 24, false);", "count * (mm >> 24), 2 * s + 56, false);"),
+    "sign_ignored": ("F32_SUM_DIGITS, count * m, s, bits >> 31);", "F32_SUM_DIGITS, count * m, s, false);"),
+    # float32 denormals come only from turbo8 (a BF16 scale below 2^-117 times an E4M3 byte)
+    "denormals_dropped": ("const u64 m = e ? (f | 0x800000u) : f;\n    if (!m) return;\n    const u32 s = e ? e - 1 : 0;\n"
+                          "    atomicAdd(&cs_exp",
+                          "const u64 m = e ? (f | 0x800000u) : 0u;\n    if (!m) return;\n    const u32 s = e ? e - 1 : 0;\n"
+                          "    atomicAdd(&cs_exp"),
+    "nan_flagged_as_inf": ("(bits & 0x007FFFFFu) ? CS_FLAG_NAN :", "(bits & 0x007FFFFFu) ? CS_FLAG_POS_INF :"),
+    "final_skips_a_partial": ("for (int p = 0; p < num_partials; p++) {\n            const i64 w = partials[(i64)CS_RESULT_WORDS",
+                              "for (int p = 0; p < num_partials - 1; p++) {\n"
+                              "            const i64 w = partials[(i64)CS_RESULT_WORDS"),
+    "missing_syncthreads": ("    if (threadIdx.x == 0) cs_flags = 0;\n    __syncthreads();", "    if (threadIdx.x == 0) cs_flags = 0;\n"),
+    "last_group_skipped": ("        if (c < chunks) {\n            u32 w[DATA_WORDS];",
+                           "        if (c < chunks - 1) {\n            u32 w[DATA_WORDS];"),
     "wrong_e2m1_decode": ("{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f}", "{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 4.0f, 3.0f, 6.0f}"),
+    "turbo8_scale_half": ("const float s = bf16_decode((sw[g >> 1] >> (16 * (g & 1))) & 0xFFFFu);",
+                          "const float s = bf16_decode((sw[g >> 1] >> (16 * (g & 1))) & 0xFF00u);"),
 }
 
 

@@ -1,8 +1,10 @@
 """Planted bugs in the KV row kernels (nvrtc_src/kv_rows.cu) each fail the byte-exact KV
 check over the stub: the generic ones of kernel_harness.mutations (a CTA or thread 0 that
 does nothing, a missing __syncthreads) and codec ones (E4M3 rounding ties down instead of
-to even, a butterfly with its difference reversed, BF16 rounding truncating, -1 slots
-not skipped) and read-only ones (the nvfp4 sign flipped in the decode, -1 rows -0.0). Only the code the harness executes is mutated; NVRTC compiles the real source.
+to even, a butterfly with its difference reversed within a lane and across lanes, BF16
+rounding truncating, -1 slots not skipped, a set's scale bytes gathered from the wrong
+lanes, the sum of squares of a group skipping a lane's part) and read-only ones (the nvfp4
+sign flipped in the decode, -1 rows -0.0). Only the code the harness executes is mutated; NVRTC compiles the real source.
 """
 
 from __future__ import annotations
@@ -22,11 +24,18 @@ CASE = "all_formats_hd128_bs16_f32"
 
 CODEC_BUGS = {
     "e4m3_ties_down": ("(t + 0x7FFFFu + ((t >> 20) & 1u)) >> 20", "(t + 0x7FFFFu) >> 20"),
-    "butterfly_reversed": ("buf[i + h] = a - b;", "buf[i + h] = b - a;"),
+    "butterfly_reversed": ("x[j + h] = a - b;", "x[j + h] = b - a;"),
+    "butterfly_lanes_reversed": ("x[j] = upper ? other - x[j] : x[j] + other;", "x[j] = upper ? x[j] - other : x[j] + other;"),
     "bf16_truncates": ("return (t + 0x7FFFu + ((t >> 16) & 1u)) >> 16;", "return t >> 16;"),
-    "read_nvfp4_sign_flipped": ("out[i] = (codes[i] & 8u ? -m : m) * d;", "out[i] = (codes[i] & 8u ? m : -m) * d;"),
-    "read_skip_row_not_zeroed": ("store_value(out, bf16, row + i, 0.0f);", "store_value(out, bf16, row + i, -0.0f);"),
-    "skip_slot_ignored": ("if (fmt < 0 || slot < 0 || slot >= limit) continue;", "if (fmt < 0 || slot >= limit) continue;"),
+    "read_nvfp4_sign_flipped": ("out[i] = (code & 8u ? -m : m) * dq;", "out[i] = (code & 8u ? m : -m) * dq;"),
+    "read_skip_row_not_zeroed": ("        for (int k = 0; k < 16; k++) x[k] = 0.0f;\n    }\n    store_elems<16>",
+                                 "        for (int k = 0; k < 16; k++) x[k] = -0.0f;\n    }\n    store_elems<16>"),
+    "skip_slot_ignored": ("    const bool valid = slot >= 0 && slot < limit;\n    float x[16];",
+                          "    const bool valid = slot >= -1 && slot < limit;\n    float x[16];"),
+    "group_scale_gather_off": ("const u64 sword = gather_word<SF == 8 ? 9 : 5, 1, 8>(sb, SF, sub, 8);",
+                               "const u64 sword = gather_word<SF == 8 ? 9 : 5, 1, 8>(sb, SF, sub ^ 1, 8);"),
+    "ssq_chain_skips_a_lane": ("                x_ssq = __shfl_sync(FULL_MASK, x_ssq, group_lane + k);",
+                               "                x_ssq = __shfl_sync(FULL_MASK, x_ssq, group_lane + (k ? k - 1 : 0));"),
 }
 KINDS = ["cta_does_nothing", "thread0_does_nothing", "missing_syncthreads", *CODEC_BUGS]
 
@@ -49,6 +58,10 @@ def test_planted_kv_bug_fails_the_kv_check(stub_env, tmp_path, kind):
     (mutant,) = build_harness([src], tmp_path / "libs")
     libs = [p for p in stub_env[HARNESS_ENV].split(os.pathsep) if Path(p).name != mutant.name]
     env = with_libraries(stub_env, [*libs, mutant])
-    proc = run_on_stub_unchecked(env, kv_case_body(CASE, orders=("ascending",)), timeout=300)
+    # the row kernels' one barrier publishes the shared codebooks: with threads in ascending
+    # order thread 0's first reads may come after the others' copies, so that bug needs the
+    # descending order to show
+    orders = ("descending",) if kind == "missing_syncthreads" else ("ascending",)
+    proc = run_on_stub_unchecked(env, kv_case_body(CASE, orders=orders), timeout=300)
     assert proc.returncode != 0 and "CHECK kv ok" not in proc.stdout, f"{kind} went unnoticed:\n{proc.stdout}"
     assert "AssertionError" in proc.stderr or "CudaError" in proc.stderr, proc.stderr[-2000:]

@@ -31,6 +31,14 @@ CXX_FLAGS = (
     "-ffp-contract=off", "-fno-fast-math", "-msse2", "-mfpmath=sse",
 )
 KERNEL_FLAGS = ("-fsanitize=alignment", "-fno-sanitize-recover=alignment")
+MODEL_FLAGS = (
+    "-DPKV_MODEL", "-gdwarf-4", "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+    "--param", "asan-stack=0", "--param", "asan-globals=0",
+    # accesses as the source writes them: no vectorised or merged loads and stores
+    "-fno-tree-vectorize", "-fno-tree-slp-vectorize", "-fno-store-merging", "-fno-tree-sra",
+)
+"""Extra flags of a traffic-model build (traffic.py): every load and store of kernel code
+calls a hook of model.inc with its address and size."""
 
 _KERNEL = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^),]*)[^)]*\)\s*)?([A-Za-z_]\w*)\s*\('
@@ -74,22 +82,25 @@ def _run(cmd: Sequence[str]) -> None:
 _RUNTIMES: dict[str, Path] = {}
 
 
-def build_runtime(out_dir: Path, cxx: str) -> Path:
-    """runtime.o in `out_dir`, compiled once per process and compiler (later calls reuse
-    the first object while it exists)."""
-    obj = _RUNTIMES.get(cxx)
+def build_runtime(out_dir: Path, cxx: str, model: bool = False) -> Path:
+    """runtime.o (model_runtime.o with the traffic model's hooks) in `out_dir`, compiled
+    once per process and compiler (later calls reuse the first object while it exists)."""
+    key = f"{cxx}:{model}"
+    obj = _RUNTIMES.get(key)
     if obj is not None and obj.exists():
         return obj
-    obj = out_dir / "runtime.o"
-    _run([cxx, *CXX_FLAGS, "-I", str(HERE), "-c", "-o", str(obj), str(HERE / "runtime.cc")])
-    _RUNTIMES[cxx] = obj
+    obj = out_dir / ("model_runtime.o" if model else "runtime.o")
+    extra = ("-DPKV_MODEL",) if model else ()
+    _run([cxx, *CXX_FLAGS, *extra, "-I", str(HERE), "-c", "-o", str(obj), str(HERE / "runtime.cc")])
+    _RUNTIMES[key] = obj
     return obj
 
 
 def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime: Path,
-                         defines: Iterable[str] = ()) -> Path:
-    """lib<stem>.so for one kernel source; HarnessBuildError when it declares no kernel or
-    does not compile."""
+                         defines: Iterable[str] = (), model: bool = False) -> Path:
+    """lib<stem>.so for one kernel source (lib<stem>_model.so, instrumented for the
+    traffic model, when `model`); HarnessBuildError when it declares no kernel or does not
+    compile."""
     source = source.resolve()
     names = kernel_bounds(source.read_text())
     if not names:
@@ -102,18 +113,21 @@ def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime: Path,
         + "};\n"
         f'extern "C" const int pkv_kernel_table_size = {len(names)};\n'
     )
-    lib = out_dir / f"lib{source.stem}_harness.so"
-    _run([cxx, *CXX_FLAGS, *KERNEL_FLAGS, *defines, "-I", str(HERE), "-include", str(HERE / "cuda_shim.h"),
-          "-shared", "-o", str(lib), str(unit), str(runtime)])
+    lib = out_dir / f"lib{source.stem}_{'model' if model else 'harness'}.so"
+    extra = (*MODEL_FLAGS, "-Wl,-z,defs") if model else ()
+    _run([cxx, *CXX_FLAGS, *KERNEL_FLAGS, *extra, *defines, "-I", str(HERE), "-include", str(HERE / "cuda_shim.h"),
+          "-shared", "-o", str(lib), str(unit), str(runtime), "-ldl"])
     return lib
 
 
-def build_kernel_libraries(sources: Iterable[Path], out_dir: Path, defines=source_defines) -> list[Path]:
+def build_kernel_libraries(sources: Iterable[Path], out_dir: Path, defines=source_defines,
+                           model: bool = False) -> list[Path]:
     """One library per source in `out_dir` (created); `defines(path)` gives each source's
-    `-D` options. Raises HarnessBuildError, or FileNotFoundError when there is no g++."""
+    `-D` options; `model` builds them instrumented for the traffic model (traffic.py).
+    Raises HarnessBuildError, or FileNotFoundError when there is no g++."""
     cxx = compiler()
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) to build the kernel harness")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runtime = build_runtime(out_dir, cxx)
-    return [build_kernel_library(Path(s), out_dir, cxx, runtime, defines(Path(s))) for s in sources]
+    runtime = build_runtime(out_dir, cxx, model)
+    return [build_kernel_library(Path(s), out_dir, cxx, runtime, defines(Path(s)), model) for s in sources]

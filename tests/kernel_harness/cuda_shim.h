@@ -18,7 +18,9 @@
 #define __noinline__ __attribute__((noinline))
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
-#define __constant__ static const
+// Constant memory lives in its own section, so the traffic model (model.inc) can tell a
+// constant access from a global one.
+#define __constant__ static const __attribute__((section("pkv_constant")))
 // Static shared memory lives in one section per kernel library; runtime.cc fills the
 // whole section with 0xFF before every CTA (CTAs run one at a time).
 #define __shared__ static __attribute__((section("pkv_shared"), aligned(16)))
@@ -152,35 +154,61 @@ template <class T>
 static inline T max(T a, T b) { return a < b ? b : a; }
 
 // ---- atomics: plain read-modify-writes, exact because nothing runs concurrently --------
+// Atomics and memory intrinsics are always inlined: the traffic model attributes their
+// accesses to the kernel line that calls them. In a model build an atomic is one traced
+// read-modify-write (pkv_model_atomic), its own read and write not instrumented.
+#define PKV_INLINE static inline __attribute__((always_inline))
+#ifdef PKV_MODEL
+extern "C" void pkv_model_atomic(void* p, unsigned size);
+extern "C" void pkv_model_copy(void* dst, const void* src, unsigned size);
 template <class T>
-static inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+PKV_INLINE T pkv_atomic_read(T* p) {
+    pkv_model_atomic(p, sizeof(T));
+    T v;
+    pkv_model_copy(&v, p, sizeof(T));
+    return v;
+}
 template <class T>
-static inline T atomicSub(T* p, T v) { T old = *p; *p = old - v; return old; }
+PKV_INLINE void pkv_atomic_write(T* p, T v) { pkv_model_copy(p, &v, sizeof(T)); }
+#else
 template <class T>
-static inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
+PKV_INLINE T pkv_atomic_read(T* p) { return *p; }
 template <class T>
-static inline T atomicMin(T* p, T v) { T old = *p; *p = v < old ? v : old; return old; }
+PKV_INLINE void pkv_atomic_write(T* p, T v) { *p = v; }
+#endif
 template <class T>
-static inline T atomicMax(T* p, T v) { T old = *p; *p = old < v ? v : old; return old; }
+PKV_INLINE T atomicAdd(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, (T)(old + v)); return old; }
 template <class T>
-static inline T atomicOr(T* p, T v) { T old = *p; *p = old | v; return old; }
+PKV_INLINE T atomicSub(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, (T)(old - v)); return old; }
 template <class T>
-static inline T atomicAnd(T* p, T v) { T old = *p; *p = old & v; return old; }
+PKV_INLINE T atomicExch(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, v); return old; }
 template <class T>
-static inline T atomicCAS(T* p, T expected, T v) { T old = *p; if (old == expected) *p = v; return old; }
+PKV_INLINE T atomicMin(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, v < old ? v : old); return old; }
+template <class T>
+PKV_INLINE T atomicMax(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, old < v ? v : old); return old; }
+template <class T>
+PKV_INLINE T atomicOr(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, (T)(old | v)); return old; }
+template <class T>
+PKV_INLINE T atomicAnd(T* p, T v) { T old = pkv_atomic_read(p); pkv_atomic_write(p, (T)(old & v)); return old; }
+template <class T>
+PKV_INLINE T atomicCAS(T* p, T expected, T v) {
+    T old = pkv_atomic_read(p);
+    if (old == expected) pkv_atomic_write(p, v);
+    return old;
+}
 static inline void __threadfence() {}
 static inline void __threadfence_block() {}
 
 // ---- memory intrinsics: alignment checked like every other access ---------------------
 #define PKV_LOAD(name)                                                                         \
     template <class T>                                                                         \
-    static inline T name(const T* p) {                                                         \
+    PKV_INLINE T name(const T* p) {                                                         \
         pkv_check_alignment(p, alignof(T), #name, __FILE__, __LINE__);                         \
         return *p;                                                                             \
     }
 #define PKV_STORE(name)                                                                        \
     template <class T>                                                                         \
-    static inline void name(T* p, T v) {                                                       \
+    PKV_INLINE void name(T* p, T v) {                                                       \
         pkv_check_alignment(p, alignof(T), #name, __FILE__, __LINE__);                         \
         *p = v;                                                                                \
     }

@@ -26,12 +26,13 @@ struct PkvSignature;
 template <class... A>
 struct PkvSignature<void (*)(A...)> {
     static_assert(sizeof...(A) <= PKV_MAX_PARAMS);
+    // not instrumented in a traffic-model build: reading the parameters is not kernel traffic
     template <void (*F)(A...), std::size_t... I>
-    static void call_with(void** params, std::index_sequence<I...>) {
+    __attribute__((no_sanitize_address)) static void call_with(void** params, std::index_sequence<I...>) {
         F(*static_cast<std::remove_cvref_t<A>*>(params[I])...);
     }
     template <void (*F)(A...)>
-    static void call(void** params) {
+    __attribute__((no_sanitize_address)) static void call(void** params) {
         call_with<F>(params, std::index_sequence_for<A...>{});
     }
     template <void (*F)(A...)>

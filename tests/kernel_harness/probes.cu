@@ -1,4 +1,4 @@
-// Probe kernels for tests/test_kernel_harness.py: each exercises one thing the harness
+// Probe kernels for tests/driver/test_kernel_harness.py: each exercises one thing the harness
 // models (built-in indices, CTA order, shared-memory poison, barriers, divergence,
 // alignment faults, __trap, warp intrinsics, IEEE conversions). Not pagedkv kernels.
 

@@ -12,6 +12,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#ifdef PKV_MODEL
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <unordered_map>
+#endif
 
 #include "cuda_shim.h"
 #include "harness.h"
@@ -23,6 +29,10 @@ uint3 pkv_threadIdx, pkv_blockIdx;
 dim3 pkv_blockDim, pkv_gridDim;
 extern char __start_pkv_shared[] __attribute__((weak, visibility("hidden")));
 extern char __stop_pkv_shared[] __attribute__((weak, visibility("hidden")));
+#ifdef PKV_MODEL
+extern char __start_pkv_constant[] __attribute__((weak, visibility("hidden")));
+extern char __stop_pkv_constant[] __attribute__((weak, visibility("hidden")));
+#endif
 }
 
 namespace {
@@ -60,6 +70,15 @@ struct Launch {
 };
 
 Launch* active;
+
+#ifdef PKV_MODEL
+#include "model.inc"
+#else
+inline void model_mark(unsigned) {}
+inline void model_begin_launch(Launch*) {}
+inline void model_end_cta(Launch*) {}
+inline void model_end_launch(Launch*) {}
+#endif
 
 void fail(int status, const char* fmt, ...) {
     Launch* L = active;
@@ -236,6 +255,7 @@ void pkv_syncthreads(const char* file, int line) {
     f.site_file = file;
     f.site_line = line;
     f.barriers++;
+    model_mark((unsigned)L->current);
     yield_to_scheduler();
 }
 
@@ -258,6 +278,7 @@ static void warp_barrier(unsigned mask, int mode, const char* file, int line) {
     f.warp_mode = mode;
     f.site_file = file;
     f.site_line = line;
+    model_mark(t);
     yield_to_scheduler();
 }
 
@@ -401,6 +422,7 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
     sigaction(SIGBUS, &fault, &old_bus);
     Launch* outer = active;
     active = &L;
+    model_begin_launch(&L);
     pkv_blockDim = {block[0], block[1], block[2]};
     pkv_gridDim = {grid[0], grid[1], grid[2]};
     const unsigned nblocks = grid[0] * grid[1] * grid[2];
@@ -408,8 +430,11 @@ PKV_EXPORT int pkv_harness_launch(int k, const unsigned* grid, const unsigned* b
     const std::vector<unsigned> cta_order = make_order(nblocks, order, seed);
     for (unsigned b : cta_order) {
         const uint3 idx = {b % grid[0], b / grid[0] % grid[1], b / (grid[0] * grid[1])};
-        if (!run_cta(&L, idx)) break;
+        const bool ok = run_cta(&L, idx);
+        model_end_cta(&L);
+        if (!ok) break;
     }
+    model_end_launch(&L);
     sigaction(SIGSEGV, &old_segv, nullptr);
     sigaction(SIGBUS, &old_bus, nullptr);
     for (auto s : L.stacks) std::free(s);

@@ -125,7 +125,7 @@ def make_stub_env(out: Path, kernel_cache: Path) -> dict:
     subprocess.run(
         [sys.executable, "-c", "from pagedkv.driver import nvrtc\n"
          "for p in nvrtc.kernel_sources(): nvrtc.compile_cached(p, 'sm_90')"],
-        env=env, check=True, capture_output=True, timeout=120,
+        env=env, check=True, capture_output=True, timeout=600,
     )
     return env
 
