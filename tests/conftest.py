@@ -41,7 +41,7 @@ def stub_env(tmp_path_factory):
     libraries of pagedkv/nvrtc_src (built once per session; see tests/kernel_harness)."""
     from kernel_harness.stub import make_stub_env
 
-    return make_stub_env(tmp_path_factory.mktemp("stub_libcuda"), tmp_path_factory.mktemp("kernel_cache"))
+    return make_stub_env(tmp_path_factory.mktemp("stub_libcuda"))
 
 
 @pytest.fixture(params=["host", "torch_arena", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -29,8 +29,10 @@ SOURCE_DIR = Path(__file__).resolve().parent.parent / "nvrtc_src"
 CACHE_ENV = "PAGEDKV_KERNEL_CACHE"
 """Environment variable naming the kernel cache directory (overrides the default)."""
 
-DEFAULT_OPTIONS = ("--std=c++17", "-default-device")
-"""NVRTC options every kernel is compiled with (no include paths: kernels use no headers)."""
+DEFAULT_OPTIONS = ("--std=c++17", "-default-device", "--ptxas-options=-v")
+"""NVRTC options every kernel is compiled with (no include paths: kernels use no headers).
+ptxas' `-v` report (registers, stack frame, spills per kernel) lands in the program log,
+so the resources the traffic model checks are those of the very CUBIN the driver loads."""
 
 REDUCE_THREADS = 256
 """Threads per CTA of the reduction kernels: passed to reduce_bf16.cu as -DREDUCE_THREADS
@@ -141,6 +143,13 @@ def cache_key(source: bytes, filename: str, options: Sequence[str], arch: str) -
 def compile_source(source: bytes, filename: str, arch: str, options: Sequence[str] = DEFAULT_OPTIONS) -> bytes:
     """CUBIN of `source` for `arch` (`sm_XY`) with `options` as given (no source defines
     added); NvrtcCompileError carries the log and file name."""
+    return compile_source_with_log(source, filename, arch, options)[0]
+
+
+def compile_source_with_log(source: bytes, filename: str, arch: str,
+                            options: Sequence[str] = DEFAULT_OPTIONS) -> tuple[bytes, str]:
+    """(CUBIN, NVRTC program log) of `source` for `arch` with `options` as given; the log
+    holds ptxas' report when the options ask for it. NvrtcCompileError as compile_source."""
     nvrtc = _bindings.nvrtc
     prog = check(nvrtc.nvrtcCreateProgram(source, filename.encode(), 0, [], []), "nvrtcCreateProgram", filename)
     try:
@@ -151,7 +160,7 @@ def compile_source(source: bytes, filename: str, arch: str, options: Sequence[st
         size = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", filename)
         cubin = bytearray(size)  # NVRTC writes into it: never a shared immutable bytes object
         check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN", filename)
-        return bytes(cubin)
+        return bytes(cubin), _program_log(prog)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

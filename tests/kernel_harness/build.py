@@ -4,7 +4,8 @@
 with g++ (the shim header force-included, the source's NVRTC `-D` options, no FP
 contraction, SSE2 float math, every access alignment-checked) together with a generated
 registration table of its `extern "C" __global__` kernels and the fiber runtime. The
-stub finds the libraries through `HARNESS_ENV` (paths joined by os.pathsep).
+stub finds the libraries through `HARNESS_ENV` (paths joined by os.pathsep). Each library
+is built once per machine and kept in the shared test cache (shared_cache.py).
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def _run(cmd: Sequence[str]) -> None:
 
 
 _RUNTIMES: dict[str, Path] = {}
+_VERSIONS: dict[str, str] = {}
+
+HARNESS_FILES = ("runtime.cc", "harness.h", "cuda_shim.h", "model.inc")
+"""The harness' own sources: part of every library's cache key."""
 
 
 def build_runtime(out_dir: Path, cxx: str, model: bool = False) -> Path:
@@ -96,27 +101,56 @@ def build_runtime(out_dir: Path, cxx: str, model: bool = False) -> Path:
     return obj
 
 
-def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime: Path,
-                         defines: Iterable[str] = (), model: bool = False) -> Path:
-    """lib<stem>.so for one kernel source (lib<stem>_model.so, instrumented for the
-    traffic model, when `model`); HarnessBuildError when it declares no kernel or does not
-    compile."""
-    source = source.resolve()
-    names = kernel_bounds(source.read_text())
-    if not names:
-        raise HarnessBuildError(f"{source} declares no extern \"C\" __global__ kernel")
-    unit = out_dir / f"{source.stem}_harness.cc"
-    unit.write_text(
+def _compiler_version(cxx: str) -> str:
+    if cxx not in _VERSIONS:
+        _VERSIONS[cxx] = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    return _VERSIONS[cxx]
+
+
+def _registration_unit(source: Path, names: list[tuple[str, str]]) -> str:
+    return (
         f'#include "{source}"\n#include "harness.h"\n'
         'extern "C" const PkvKernel pkv_kernel_table[] = {\n'
         + "".join(f"    PKV_KERNEL({n}, {bound}),\n" for n, bound in names)
         + "};\n"
         f'extern "C" const int pkv_kernel_table_size = {len(names)};\n'
     )
-    lib = out_dir / f"lib{source.stem}_{'model' if model else 'harness'}.so"
+
+
+def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime, defines: Iterable[str] = (),
+                         model: bool = False) -> Path:
+    """lib<stem>.so for one kernel source (lib<stem>_model.so, instrumented for the
+    traffic model, when `model`) in `out_dir`; `runtime()` gives the runtime object to link.
+    Built once per machine: the library is kept in the shared test cache (shared_cache.py),
+    keyed by the source, the harness' sources, the flags, `defines` and the compiler's
+    version. HarnessBuildError when it declares no kernel or does not compile."""
+    from . import shared_cache
+
+    source = source.resolve()
+    text = source.read_text()
+    names = kernel_bounds(text)
+    if not names:
+        raise HarnessBuildError(f"{source} declares no extern \"C\" __global__ kernel")
+    unit_text = _registration_unit(source, names)
     extra = (*MODEL_FLAGS, "-Wl,-z,defs") if model else ()
-    _run([cxx, *CXX_FLAGS, *KERNEL_FLAGS, *extra, *defines, "-I", str(HERE), "-include", str(HERE / "cuda_shim.h"),
-          "-shared", "-o", str(lib), str(unit), str(runtime), "-ldl"])
+    flags = (*CXX_FLAGS, *KERNEL_FLAGS, *extra, *defines)
+    key = shared_cache.digest(cxx, _compiler_version(cxx), "\0".join(flags), str(model), text, unit_text,
+                              *((HERE / f).read_bytes() for f in HARNESS_FILES))
+    lib = out_dir / f"lib{source.stem}_{'model' if model else 'harness'}.so"
+    cached = shared_cache.cache_dir() / "harness" / f"{key}.so"
+    with shared_cache.locked(key):
+        if not cached.exists():
+            unit = out_dir / f"{source.stem}_harness.cc"
+            unit.write_text(unit_text)
+            built = out_dir / f".building-{lib.name}"
+            _run([cxx, *flags, "-I", str(HERE), "-include", str(HERE / "cuda_shim.h"),
+                  "-shared", "-o", str(built), str(unit), str(runtime()), "-ldl"])
+            cached.parent.mkdir(exist_ok=True)
+            shutil.copyfile(built, cached.with_name(f".tmp-{os.getpid()}-{cached.name}"))
+            os.replace(cached.with_name(f".tmp-{os.getpid()}-{cached.name}"), cached)
+            os.replace(built, lib)
+        else:
+            shutil.copyfile(cached, lib)
     return lib
 
 
@@ -129,5 +163,5 @@ def build_kernel_libraries(sources: Iterable[Path], out_dir: Path, defines=sourc
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) to build the kernel harness")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runtime = build_runtime(out_dir, cxx, model)
-    return [build_kernel_library(Path(s), out_dir, cxx, runtime, defines(Path(s)), model) for s in sources]
+    return [build_kernel_library(Path(s), out_dir, cxx, lambda: build_runtime(out_dir, cxx, model),
+                                 defines(Path(s)), model) for s in sources]

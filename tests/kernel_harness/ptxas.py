@@ -1,18 +1,16 @@
 """ptxas facts of pagedkv's kernels and the occupancy they allow, for the traffic model.
 
-`ptxas_facts(path, arch)` compiles a kernel source with NVRTC (its own options and `-D`
-values, plus `--ptxas-options=-v`) and parses ptxas' report per kernel: registers, stack
-frame, spill stores and loads, static shared memory and barriers. Results are cached on
-disk (keyed like the kernel cache: source, options, arch, NVRTC version), since compiling
-kv_rows.cu takes seconds. `occupancy(facts, threads, arch)` is the CTAs per SM the
+`ptxas_facts(path, arch)` parses ptxas' report of a kernel source compiled with NVRTC as the
+driver compiles it (its options include `--ptxas-options=-v`), per kernel: registers, stack
+frame, spill stores and loads, static shared memory and barriers. The compile is shared by
+every test process (shared_cache.py), since compiling kv_rows.cu takes seconds. `occupancy(facts, threads, arch)` is the CTAs per SM the
 resources allow on that architecture.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ARCHS = ("sm_90", "sm_100")
@@ -79,54 +77,13 @@ def parse_ptxas_log(log: str) -> dict[str, KernelFacts]:
     return facts
 
 
-def _cache_dir() -> Path:
-    from pagedkv.driver import nvrtc
-
-    return nvrtc.default_cache_dir() / "ptxas-info"
-
-
 def ptxas_facts(path: Path, arch: str) -> dict[str, KernelFacts]:
     """ptxas' facts of every kernel of the source at `path` compiled for `arch` as the
-    driver compiles it (cached on disk)."""
-    from pagedkv.driver import nvrtc
+    driver compiles it (its options ask ptxas for `-v`; compiled once per machine, see
+    shared_cache)."""
+    from .shared_cache import compiled
 
-    source = Path(path).read_bytes()
-    filename = Path(path).name
-    options = (*nvrtc.DEFAULT_OPTIONS, *nvrtc.source_options(filename), *nvrtc.source_defines(filename),
-               "--ptxas-options=-v")
-    key = nvrtc.cache_key(source, filename, options, arch)
-    entry = _cache_dir() / f"{key}.json"
-    try:
-        cached = json.loads(entry.read_text())
-        return {k: KernelFacts(**v) for k, v in cached.items()}
-    except (OSError, ValueError, TypeError):
-        pass
-    log = compile_log(source, filename, arch, options)
-    facts = parse_ptxas_log(log)
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        entry.write_text(json.dumps({k: asdict(v) for k, v in facts.items()}))
-    except OSError:
-        pass
-    return facts
-
-
-def compile_log(source: bytes, filename: str, arch: str, options) -> str:
-    """NVRTC's program log of compiling `source` for `arch` with `options`."""
-    from pagedkv.driver import _bindings, nvrtc
-    from pagedkv.driver.errors import check
-
-    lib = _bindings.nvrtc
-    prog = check(lib.nvrtcCreateProgram(source, filename.encode(), 0, [], []), "nvrtcCreateProgram", filename)
-    try:
-        opts = [o.encode() for o in (*options, f"--gpu-architecture={arch}")]
-        status = lib.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        log = nvrtc._program_log(prog)
-        if int(status) != 0:
-            raise nvrtc.NvrtcCompileError(filename, arch, log)
-        return log
-    finally:
-        lib.nvrtcDestroyProgram(prog)
+    return parse_ptxas_log(compiled(path, arch).log)
 
 
 def occupancy(facts: KernelFacts, threads: int) -> int:

@@ -108,9 +108,10 @@ def with_libraries(env: dict, libs) -> dict:
     return env
 
 
-def make_stub_env(out: Path, kernel_cache: Path) -> dict:
+def make_stub_env(out: Path, kernel_cache: Path | None = None) -> dict:
     """Build the stub and pagedkv's kernel libraries into `out`; the subprocess environment
-    (CTA order and SM count left at the stub's defaults, the NVRTC kernel cache filled)."""
+    (CTA order and SM count left at the stub's defaults, the NVRTC kernel cache filled).
+    `kernel_cache` defaults to the one every test process shares (shared_cache.py)."""
     build_stub(out)
     from pagedkv.driver import nvrtc
 
@@ -118,8 +119,17 @@ def make_stub_env(out: Path, kernel_cache: Path) -> dict:
     env.pop(harness_build.ORDER_ENV, None)
     env.pop(harness_build.SMS_ENV, None)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(out), env.get("LD_LIBRARY_PATH")]))
-    env["PAGEDKV_KERNEL_CACHE"] = str(kernel_cache)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if kernel_cache is None:
+        # the shared cache, filled here (each source compiled once per machine), so each
+        # test's driver calls over the stub are its own
+        from .shared_cache import compiled, kernel_cache_dir
+
+        for path in nvrtc.kernel_sources():
+            compiled(path, "sm_90")
+        env["PAGEDKV_KERNEL_CACHE"] = str(kernel_cache_dir())
+        return env
+    env["PAGEDKV_KERNEL_CACHE"] = str(kernel_cache)
     # fill the kernel cache once, so each test's driver calls are its own (NVRTC itself
     # loads libcuda and calls cuInit when it compiles)
     subprocess.run(
