@@ -498,6 +498,12 @@ class PrefixCache:
         """How many blocks the cache holds."""
         return len(self._by_block)
 
+    def num_evictable_blocks(self) -> int:
+        """How many cached device blocks allocation could evict now (held by the cache
+        alone, with no held or kept descendant on the device); `PagedKvCache.
+        num_available_blocks()` adds them to the free list. O(cached blocks)."""
+        return self._policy.count_evictable()
+
     def is_cached(self, block: int) -> bool:
         """True when `block` is in the cache."""
         return block in self._by_block

@@ -29,7 +29,7 @@ from ..core.streams import stream_handle
 from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
-from .exports import ExportBuffers, Exported, PageTable, SequenceExports
+from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
 
@@ -56,7 +56,8 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 
 class _Seq:
     __slots__ = (
-        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room"
+        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
+        "lookahead", "salt",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -69,6 +70,8 @@ class _Seq:
         self.step_start = step_start  # first position written by the latest add/append
         self.maybe_shared = False  # set by fork: the partly filled last block may be shared
         self.room = -1  # tokens `append` may reach without growing; -1 sends it to _grow
+        self.lookahead = 0  # the last `lookahead` of num_tokens are draft positions (slots, no committed id)
+        self.salt = None  # the prefix cache's key context (cache salt, extra keys) of the prompt
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks or `maybe_shared` changed."""
@@ -76,11 +79,11 @@ class _Seq:
 
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
-        other.tokens_known, other.dropped = self.tokens_known, self.dropped
+        other.tokens_known, other.dropped, other.salt = self.tokens_known, self.dropped, self.salt
         return other
 
 
-class SequenceTable(SequenceExports):
+class SequenceTable(SequenceExports, LengthExports):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
@@ -190,14 +193,25 @@ class SequenceTable(SequenceExports):
         seq.settle(self._bs)
         return matched
 
-    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None,
+               lookahead: int = 0) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
         when given, are remembered so the blocks can be cached. Allocates only at a block
         boundary, copies a shared partly filled last block first, and releases the oldest
         blocks beyond the window. ValueError when the step's tokens span more blocks than
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
-        cache evicted to make room stay evicted (every count stays consistent)."""
+        cache evicted to make room stay evicted (every count stays consistent).
+
+        `lookahead=k` (speculative decoding) also gives `k` draft positions past the new
+        committed end their slots, in this step's `slot_mapping` after the step's tokens
+        (and in `block_table`, `page_table`, `seq_lens`): the drafts are not committed, so
+        `num_tokens` leaves them out and they never reach the prefix cache. The next
+        `append` or `truncate` takes them back first: its tokens reuse those positions (and
+        their blocks, KV included) and blocks no longer needed are released."""
+        if lookahead:
+            self._append(seq_id, n_tokens, token_ids, lookahead)
+            return
         token = self._guard_token
         try:
             token.pop()  # the guard, claimed inline: a decode step's one id is the per-token hot path
@@ -209,6 +223,7 @@ class SequenceTable(SequenceExports):
             seq = self._seqs.get(seq_id)
             if (
                 seq is not None
+                and not seq.lookahead
                 and type(token_ids) is list
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
             ):
@@ -244,7 +259,7 @@ class SequenceTable(SequenceExports):
             guard.depth -= 1
             guard.owner = None
 
-    def _append(self, seq_id: Hashable, n_tokens: object, token_ids: object) -> None:
+    def _append(self, seq_id: Hashable, n_tokens: object, token_ids: object, lookahead: object = 0) -> None:
         """`append`, every case (the guard not held by the caller)."""
         guard = self._guard
         token = guard.token
@@ -269,27 +284,48 @@ class SequenceTable(SequenceExports):
                 n_tokens = 1
             else:
                 n_tokens, token_ids = _step_arguments(n_tokens, token_ids)
-            old = seq.num_tokens
-            total = old + n_tokens
-            if total > seq.room:
+            if lookahead or seq.lookahead:
+                lookahead = non_negative_int(lookahead, "lookahead")
+                old = seq.num_tokens - seq.lookahead  # the committed end: the drafts are taken back
                 if took:
                     guard.owner = get_ident()  # a full claim: the allocation may call back in
                 guard.depth += 1
                 try:
-                    self._grow(seq, old, total, n_tokens)
+                    self._reshape(seq, old, old + n_tokens + lookahead, n_tokens + lookahead)
                 finally:
                     guard.depth -= 1
                     if took:
                         guard.owner = None
+                seq.lookahead = lookahead
+                seq.settle(self._bs)
                 grown = True
-            # else the decode fast path: room in a private last block
-            seq.num_tokens = total
-            seq.step_start = old
-            if seq.tokens_known and n_tokens:
-                if token_ids is None:
-                    seq.tokens_known = False
-                else:
-                    seq.tokens += token_ids
+                if seq.tokens_known and n_tokens:
+                    if token_ids is None:
+                        seq.tokens_known = False
+                    else:
+                        seq.tokens += token_ids
+            else:
+                old = seq.num_tokens
+                total = old + n_tokens
+                if total > seq.room:
+                    if took:
+                        guard.owner = get_ident()  # a full claim: the allocation may call back in
+                    guard.depth += 1
+                    try:
+                        self._grow(seq, old, total, n_tokens)
+                    finally:
+                        guard.depth -= 1
+                        if took:
+                            guard.owner = None
+                    grown = True
+                # else the decode fast path: room in a private last block
+                seq.num_tokens = total
+                seq.step_start = old
+                if seq.tokens_known and n_tokens:
+                    if token_ids is None:
+                        seq.tokens_known = False
+                    else:
+                        seq.tokens += token_ids
         finally:
             if took:
                 token.append(True)
@@ -344,17 +380,96 @@ class SequenceTable(SequenceExports):
         seq.step_start = old
         seq.settle(bs)
 
+    def _reshape(self, seq: _Seq, old: int, total: int, written: int) -> None:
+        """Make the sequence's positions `[0, total)`, the step writing `[old, total)`
+        (`written` of them; `old` is the committed end, drafts past it already taken back):
+        blocks held for exactly those positions, blocks past them released, and a shared
+        block holding position `old` copied first when the step writes into it. All or
+        nothing: on any error the sequence and every count are as they were."""
+        bs, cache = self._bs, self._cache
+        have = seq.dropped + len(seq.blocks)
+        needed = -(-total // bs)
+        if self._window is not None and written and needed - old // bs > self._window:
+            raise ValueError(
+                f"appending {written} positions at {old} spans {needed - old // bs} blocks "
+                f"but the window holds {self._window}"
+            )
+        at = old // bs - seq.dropped  # the held block of position `old`, when it is partly filled
+        copy = int(bool(written and seq.maybe_shared and old % bs and cache.ref_count(seq.blocks[at]) > 1))
+        fresh = cache.alloc_blocks(max(needed - have, 0) + copy)
+        try:
+            self._init(fresh[copy:])
+            if copy:
+                self._copy(seq.blocks[at], fresh[0])
+        except BaseException:
+            cache.free_blocks(fresh)
+            raise
+        if copy:
+            shared, seq.blocks[at] = seq.blocks[at], fresh[0]
+            cache.dec_ref(shared)
+        seq.blocks.extend(fresh[copy:])
+        keep = max(needed - seq.dropped, 0)
+        released, seq.blocks[keep:] = seq.blocks[keep:], []
+        if written:
+            seq.maybe_shared = False
+        if self._window is not None and len(seq.blocks) > self._window:
+            extra = len(seq.blocks) - self._window
+            released += seq.blocks[:extra]
+            seq.blocks[:extra] = []
+            seq.dropped += extra
+            seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
+        seq.num_tokens = total
+        seq.step_start = old
+        if released:
+            cache.free_blocks(released[::-1])  # tail first, like `free`
+
+    @guarded
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Take back every position of the sequence from `num_tokens` on: rejected drafts
+        (a lookahead's, or tokens appended for verification), or a suffix to regenerate.
+        `num_tokens` is at most `num_tokens(seq_id)` and not before `first_block_position`
+        (ValueError naming it, nothing changed). Blocks past the new end are released; the
+        remembered ids are cut to the new end (an id given only as a count is forgotten
+        with its position). A block now partly filled is offered to the prefix cache only
+        once committed tokens with ids fill it again, and when another sequence or the
+        prefix cache holds it, the next write copies it first (the cached KV is never
+        written). The latest step then introduced no positions (`slot_mapping` is empty
+        for it until the next `append`)."""
+        seq = self._get(seq_id)
+        num_tokens = non_negative_int(num_tokens, "num_tokens")
+        committed = seq.num_tokens - seq.lookahead
+        if num_tokens > committed:
+            raise ValueError(f"num_tokens is {num_tokens}, past the {committed} tokens of sequence {seq_id!r}")
+        first = seq.dropped * self._bs
+        if num_tokens < first:
+            raise ValueError(
+                f"num_tokens is {num_tokens}, but the window released the blocks before position {first} "
+                f"of sequence {seq_id!r}"
+            )
+        self._reshape(seq, num_tokens, num_tokens, 0)
+        seq.lookahead = 0
+        if not seq.dropped and len(seq.tokens) >= num_tokens:
+            del seq.tokens[num_tokens:]
+            seq.tokens_known = True  # every remaining position has its id
+        if num_tokens % self._bs:
+            seq.maybe_shared = True  # the next write checks the partly filled block for other holders
+        seq.settle(self._bs)
+
     @guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start `dst` as a copy of `src` sharing every block (one more reference each); the
-        first write of either into a shared, partly filled last block copies it first."""
+        first write of either into a shared, partly filled last block copies it first. The
+        copy has `src`'s committed tokens only: drafts of a lookahead stay with `src`."""
         parent = self._get(src)
         if dst in self._seqs:
             raise ValueError(f"sequence {dst!r} already exists")
         child = parent.clone()
+        if parent.lookahead:  # the child starts at the committed end: the drafts stay the parent's
+            child.num_tokens = child.step_start = parent.num_tokens - parent.lookahead
+            del child.blocks[max(-(-child.num_tokens // self._bs) - child.dropped, 0):]
         for block in child.blocks:
             self._cache.inc_ref(block)
-        if parent.num_tokens % self._bs:
+        if child.num_tokens % self._bs:
             parent.maybe_shared = child.maybe_shared = True
         parent.settle(self._bs)
         child.settle(self._bs)
@@ -423,8 +538,14 @@ class SequenceTable(SequenceExports):
         return seq
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens in the sequence, including any whose blocks the window released."""
-        return self._get(seq_id).num_tokens
+        """Committed tokens in the sequence, including any whose blocks the window released
+        (not the drafts of a lookahead)."""
+        seq = self._get(seq_id)
+        return seq.num_tokens - seq.lookahead
+
+    def num_lookahead(self, seq_id: Hashable) -> int:
+        """Draft positions past the committed end (the latest append's `lookahead`)."""
+        return self._get(seq_id).lookahead
 
     def blocks(self, seq_id: Hashable) -> list[int]:
         """The blocks the sequence holds, oldest first (a copy)."""
