@@ -34,7 +34,7 @@ from ..tiers.disk_index import IndexRecord
 from .events import BlockRemoved, BlockStored, EventQueue
 from .hashing import root_hash
 from .stats import PrefixCounters
-from .tree import Node, RadixTree
+from .tree import Node, RadixTree, is_keyed
 
 if TYPE_CHECKING:
     from ..tiers.disk_tier import DiskTier
@@ -162,6 +162,8 @@ class DiskTiering:
             if node in self.slot_of:
                 kept.add(id(node))
                 continue
+            if is_keyed(node, self._tree.block_size):
+                continue  # the disk index keeps token-keyed chains only: a salted or extra-keyed block stays off disk
             slot = self._free_slot()
             if slot is None:
                 continue

@@ -31,6 +31,7 @@ from ..core.streams import stream_handle
 from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
 from ..errors import KvCacheError, RefCountError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
+from .block_keys import BlockKeys, block_keys
 from .eviction import Chosen, LruEviction
 from .hashing import chain_hash, int64_bytes, root_hash
 from .stats import PrefixCacheStats, PrefixCounters
@@ -169,12 +170,19 @@ class PrefixCache:
 
     # -- lookup and registration -------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], adapter_id: int = 0, cache_salt: str | bytes | None = None,
+              extra_keys=None) -> PrefixMatch:
         """The longest cached run of whole blocks at the start of `tokens`; takes one
         reference for the caller on each returned device block (free it like your own,
         once) and refreshes their recency. With a host tier, the run's continuation in host
         blocks is reported too (`host_blocks`, `host_num_tokens`; recency refreshed, not
-        held, counted as host hits). On a closed cache, an empty match."""
+        held, counted as host hits). On a closed cache, an empty match.
+
+        `cache_salt` (a non-empty str or bytes) is a namespace: only blocks cached under the
+        same salt match. `extra_keys`, `(offset, length, key)` ranges of token positions
+        (key a str, bytes or int >= 0: an image's content hash over its placeholders, a
+        LoRA name), are part of the key of every block they cover, even partly; see
+        `pagedkv.sequences.block_keys`."""
         guard = self._guard
         guard.enter()
         try:
@@ -183,8 +191,9 @@ class PrefixCache:
                 tokens = token_ids(tokens, "tokens")  # converts, or raises naming the bad entry
                 data = int64_bytes(tokens)
             adapter_id = adapter_id_checked(adapter_id)
+            keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
             tiering = self._check_tier()
-            path = self._tree.walk_bytes(data, adapter_id)
+            path = self._tree.walk_bytes(data, adapter_id if keys is None else keys.root_key, keys)
             path, host_path, disk_path = tiering.split(path) if tiering is not None else (path, [], [])
             blocks = [n.block for n in path]
             self._allocator.inc_refs_of_valid(blocks)
@@ -208,28 +217,32 @@ class PrefixCache:
             self.deliver_events()
         return found
 
-    def reserve(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+    def reserve(self, tokens: Sequence[int], adapter_id: int = 0, cache_salt: str | bytes | None = None,
+                extra_keys=None) -> PrefixMatch:
         """`match` in two steps, for a request that may still be refused: the longest cached
         run, with one reference taken for the caller on each block but no statistics or
         recency recorded. Follow it with `confirm` once the request is admitted, or
-        `cancel` to hand the references back as if the lookup never happened; either once."""
+        `cancel` to hand the references back as if the lookup never happened; either once.
+        `cache_salt` and `extra_keys` as for `match`."""
         guard = self._guard
         guard.enter()
         try:
             tokens = token_ids(tokens, "tokens")
-            return self._reserve_checked(tokens, len(tokens), adapter_id_checked(adapter_id))
+            adapter_id = adapter_id_checked(adapter_id)
+            keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
+            return self._reserve_checked(tokens, len(tokens), adapter_id, keys)
         finally:
             guard.exit()
 
-    def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int) -> PrefixMatch:
+    def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int, keys: BlockKeys | None = None) -> PrefixMatch:
         """`reserve` of `tokens[:n]`, already validated (the guard held by the caller)."""
         self._check_tier()
-        return self._reservation(self._tree.walk(tokens, n, adapter_id))
+        return self._reservation(self._tree.walk(tokens, n, adapter_id if keys is None else keys.root_key, keys))
 
-    def _reserve_bytes(self, data: bytes, adapter_id: int) -> PrefixMatch:
+    def _reserve_bytes(self, data: bytes, adapter_id: int, keys: BlockKeys | None = None) -> PrefixMatch:
         """`reserve` of tokens given as valid int64 bytes (the guard held by the caller)."""
         self._check_tier()
-        return self._reservation(self._tree.walk_bytes(data, adapter_id))
+        return self._reservation(self._tree.walk_bytes(data, adapter_id if keys is None else keys.root_key, keys))
 
     def _reservation(self, whole: list[Node]) -> PrefixMatch:
         tiering = self._tiering
@@ -290,32 +303,36 @@ class PrefixCache:
             self._refresh_on_release = True
 
     @guarded
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0) -> int:
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0,
+               cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Register the caller's full blocks of `tokens` (`blocks[i]` holds tokens
         `i*block_size ..`; a final partial block is not cached). Chunks already cached keep
         their block; new ones take one reference of the cache's own on the caller's block.
         Returns how many blocks were newly cached. Checked before anything changes;
-        KvCacheError on a closed cache."""
+        KvCacheError on a closed cache. `cache_salt` and `extra_keys` as for `match`."""
         self._check_open("insert")
         adapter_id = adapter_id_checked(adapter_id)
+        keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
         tokens = token_ids(tokens, "tokens")
         blocks = block_list(blocks, self._cache.num_blocks(), "blocks")  # names a bad entry
         bs = self._block_size
         n_full = len(tokens) // bs
         if not n_full <= len(blocks) <= -(-len(tokens) // bs):
             raise ValueError(f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given")
-        return self._insert_checked(tokens, blocks, n_full, adapter_id, False)
+        return self._insert_checked(tokens, blocks, n_full, adapter_id, False, keys)
 
-    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool) -> int:
+    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool,
+                        keys: BlockKeys | None = None) -> int:
         """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
         With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
         already cached under the current node is followed without comparing its tokens."""
         tiering = self._check_tier()
         bs, tree = self._block_size, self._tree
-        root = tree.roots.get(adapter_id)
+        root_key = adapter_id if keys is None else keys.root_key
+        root = tree.roots.get(root_key)
         node, path, data, base = root, [], None, 0
         if root is not None:
-            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block)
+            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys)
         first_new = len(path)
         path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
         adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks
@@ -331,7 +348,7 @@ class PrefixCache:
         except RefCountError as err:
             raise RefCountError(f"insert of a free block: the caller must hold every block it inserts ({err})") from None
         if root is None:
-            root = node = tree.root(adapter_id)
+            root = node = tree.root(root_key)
         if adopt:
             tiering.to_device(adopt, new_blocks[: len(adopt)])
             path += adopt
@@ -346,7 +363,7 @@ class PrefixCache:
         if data is None:
             base = first_new
             data = int64_bytes(tokens[base * bs : n_full * bs])  # one array for the run, not one per block
-        made = tree.extend(node, data, first_new - base, new_blocks)
+        made = tree.extend(node, data, first_new - base, new_blocks, keys, base)
         self._policy.touch(made)
         if events.consumer is not None:
             events.emit(stored(made, tokens[first_new * bs : n_full * bs], new_blocks, bs))

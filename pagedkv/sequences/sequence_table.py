@@ -30,6 +30,7 @@ from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
+from .block_keys import block_keys
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
 
@@ -132,7 +133,8 @@ class SequenceTable(SequenceExports, LengthExports):
     # -- lifecycle of a sequence -------------------------------------------------------
 
     @guarded
-    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
+    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0,
+            cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
         the prefix cache (whole blocks; never the last prompt token, which the engine must
         compute). Raises ValueError for a duplicate id or a prompt longer than the window,
@@ -145,7 +147,11 @@ class SequenceTable(SequenceExports, LengthExports):
         table's stream (the host waits for it when the table has no backend), and those
         tokens count as matched. All or nothing: a failed promotion (no device blocks, a
         swap error) leaves the sequence unadded, the host blocks cached and every count as
-        it was."""
+        it was.
+
+        `cache_salt` and `extra_keys` key the prompt's blocks as in `PrefixCache.match`
+        (a namespace; keys of the blocks they cover): the match, and every later offer of
+        this sequence's blocks (`cache_prefix`, `free`, a fork's), use them."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
@@ -161,8 +167,9 @@ class SequenceTable(SequenceExports, LengthExports):
                 f"prompt of {n} tokens needs {needed} blocks but the window holds {self._window}"
             )
         adapter_id = adapter_id_checked(adapter_id)
+        keys = block_keys(adapter_id, cache_salt, extra_keys, self._bs)
         reuse = self._reuse
-        found = reuse.reserve(data, n, adapter_id) if reuse is not None else PrefixMatch([], 0)
+        found = reuse.reserve(data, n, adapter_id, keys) if reuse is not None else PrefixMatch([], 0)
         if found.disk_blocks:
             try:
                 reuse.load(found)  # disk -> host; blocks read stay in the host tier whatever follows
@@ -190,6 +197,7 @@ class SequenceTable(SequenceExports, LengthExports):
             reuse.confirm(n, found)
         matched += hosted * self._bs
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+        seq.salt = keys
         seq.settle(self._bs)
         return matched
 
