@@ -22,6 +22,7 @@ instead of dropping, and `SequenceTable.add` promotes the host part of its match
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..cache import PagedKvCache
@@ -32,7 +33,8 @@ from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, to
 from ..errors import KvCacheError, RefCountError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
 from .block_keys import BlockKeys, block_keys
-from .eviction import Chosen, LruEviction
+from .eviction import Chosen
+from .retention import RetentionApi, RetentionEviction, priority_of
 from .hashing import chain_hash, int64_bytes, root_hash
 from .stats import PrefixCacheStats, PrefixCounters
 from .disk_tiering import DiskTiering
@@ -76,7 +78,7 @@ class _Reservation(TieredMatch):
     confirmed nor cancelled), so that it is released only once."""
 
 
-class PrefixCache:
+class PrefixCache(RetentionApi):
     """A prefix cache attached to one PagedKvCache (one per KV cache). It holds one
     reference of its own on every cached block, so a cached block never reaches the free
     list while cached; `PagedKvCache.alloc_blocks` asks it to evict when short.
@@ -97,17 +99,21 @@ class PrefixCache:
     `block_references` speak of the device tier, `num_host_blocks` of the host tier."""
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,
-                 host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None):
+                 host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None,
+                 clock: Callable[[], float] = time.monotonic):
         """`host_tier`: a HostTier of `cache` to demote evicted blocks into (see
         `pagedkv.sequences.tiering`); `swap_stream`: the stream demotions are enqueued on,
         after the work already there (give the engine's compute stream). `disk_tier`: a
         DiskTier below the host tier (see `pagedkv.sequences.disk_tiering`), bound here: a
         directory of another layout is refused (DiskLayoutMismatch) with nothing changed,
-        one of the same layout comes up warm (its chains match)."""
+        one of the same layout comes up warm (its chains match). `clock` (seconds, monotonic)
+        times retention TTLs (`set_retention`)."""
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable, got {on_event!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable (seconds, monotonic), got {clock!r:.60}")
         if host_tier is not None:
             from ..tiers.host_tier import HostTier
 
@@ -134,7 +140,7 @@ class PrefixCache:
         self._events = EventQueue(on_event, self._guard)
         self._tree = RadixTree(self._block_size)
         self._by_block = self._tree.by_block  # the same dict: the hot paths read it directly
-        self._policy = LruEviction(self._tree, cache.ref_count)
+        self._policy = RetentionEviction(self._tree, cache.ref_count, clock)
         self._counters = PrefixCounters()
         self._tiering: HostTiering | None = None
         if host_tier is not None:
@@ -388,9 +394,11 @@ class PrefixCache:
 
     def _evict_chosen(self, chosen: Chosen) -> list[int]:
         tiering = self._check_tier()
+        priorities = [priority_of(node) for _, node in chosen] if self._policy.hints else ()
         if tiering is not None and chosen:
             blocks = tiering.demote(chosen)
             self._counters.evictions += len(blocks)
+            self._counters.count_priorities(priorities)
             return blocks
         blocks, hashes = [], []
         for _, node in chosen:
@@ -402,6 +410,7 @@ class PrefixCache:
         for _, node in chosen:
             remove(node)
         self._counters.evictions += len(blocks)
+        self._counters.count_priorities(priorities)
         if blocks:
             _log.debug("prefix_cache_evicted", blocks=len(blocks))
             if self._events.consumer is not None:

@@ -121,7 +121,8 @@ class HostTiering:
             if len(gone) == n:
                 break
             node = by_host[host]
-            if id(node) in pinned or any(c.lower is not None and id(c) not in picked for c in node.children.values()):
+            if (id(node) in pinned or (node.retain is not None and node.retain.pins)
+                    or any(c.lower is not None and id(c) not in picked for c in node.children.values())):
                 continue  # its parent, more recent, comes later in the LRU
             gone.append(node)
             picked.add(id(node))
