@@ -120,3 +120,25 @@ def salted_root_hash(adapter_id: int, salt_raw: bytes) -> int:
                              digest_size=8)
     return int.from_bytes(digest.digest(), "little")
 
+
+
+def decode_tagged(data: bytes) -> list:
+    """The keys `_tagged` wrote one after another in `data`, back as str, bytes or int."""
+    out, at = [], 0
+    while at < len(data):
+        tag, n = data[at : at + 1], int.from_bytes(data[at + 1 : at + 5], "little")
+        raw = data[at + 5 : at + 5 + n]
+        out.append(raw.decode("utf-8") if tag == b"s" else bytes(raw) if tag == b"b" else int(raw))
+        at += 5 + n
+    return out
+
+
+def node_extra_keys(node, block_size: int) -> tuple | None:
+    """The extra keys of a tree node as vLLM places them: the keys covering its block, in
+    the given order, then the cache salt when it is a salted prompt's first block; None
+    when there are none."""
+    keys = decode_tagged(node.key[8 * block_size + len(EXTRA_MARK) :]) if len(node.key) > 8 * block_size else []
+    parent = node.parent
+    if parent is not None and parent.block == -1 and parent.key:  # a salted root keeps its salt as its key
+        keys += decode_tagged(parent.key)
+    return tuple(keys) if keys else None

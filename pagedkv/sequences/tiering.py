@@ -107,7 +107,8 @@ class HostTiering:
         if events.consumer is not None:
             events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(blocks)))
             for node, host in zip(demoted, hosts):
-                events.emit(stored([node], np.frombuffer(node.key, "<i8").tolist(), (host,), self._block_size, "CPU"))
+                events.emit(stored([node], np.frombuffer(node.key[: 8 * self._block_size], "<i8").tolist(), (host,),
+                                   self._block_size, "CPU"))
         return blocks
 
     def drop(self, n: int) -> None:
@@ -251,7 +252,7 @@ class HostTiering:
         found.promoted = len(nodes)
         self._counts.promotions += len(nodes)
         if self._events.consumer is not None:
-            tokens = np.frombuffer(b"".join(n.key for n in nodes), "<i8").tolist()
+            tokens = np.frombuffer(b"".join(n.key[: 8 * self._block_size] for n in nodes), "<i8").tolist()
             self._events.emit(stored(nodes, tokens, blocks, self._block_size))
 
     def checker(self):

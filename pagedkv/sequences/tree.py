@@ -122,7 +122,8 @@ class RadixTree:
         root = self.roots.get(adapter_id)
         if root is None:
             adapter = root_adapter(adapter_id)
-            root = self.roots[adapter_id] = Node(b"", -1, root_hash_of(adapter_id), None, adapter)
+            salt = b"" if type(adapter_id) is int else adapter_id[1]  # type: ignore[index]
+            root = self.roots[adapter_id] = Node(salt, -1, root_hash_of(adapter_id), None, adapter)
         return root
 
     def extend(self, parent: Node, data: bytes, first: int, blocks: list[int],
@@ -247,4 +248,4 @@ def is_keyed(node: Node, block_size: int) -> bool:
         if len(node.key) != 8 * block_size:
             return True
         node = node.parent
-    return node.hash != root_hash(node.adapter_id)  # a salted root
+    return bool(node.key)  # a salted root keeps its salt as its key
