@@ -66,17 +66,18 @@ PrefixCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 def stored(nodes: Sequence, token_ids: Iterable[int], block_ids: Iterable[int], block_size: int,
-           medium: str = "GPU") -> BlockStored:
+           medium: str = "GPU", digest: Callable | None = None) -> BlockStored:
     """The BlockStored of `nodes`, a chain of tree nodes (parent first) now held in
-    `block_ids` of `medium`; the parent hash is None when the chain starts at a root."""
+    `block_ids` of `medium`; the parent hash is None when the chain starts at a root.
+    `digest(node)`, when given, is the hash scheme's hash (else `node.hash`)."""
     parent = nodes[0].parent
     step = 8 * block_size
     extra = None
     if parent.block == -1 and parent.key or any(len(n.key) != step for n in nodes):
         extra = tuple(node_extra_keys(n, block_size) for n in nodes)
     return BlockStored(
-        block_hashes=tuple(n.hash for n in nodes),
-        parent_block_hash=None if parent.block == -1 else parent.hash,
+        block_hashes=tuple(n.hash for n in nodes) if digest is None else tuple(map(digest, nodes)),
+        parent_block_hash=None if parent.block == -1 else parent.hash if digest is None else digest(parent),
         token_ids=tuple(token_ids),
         block_ids=tuple(block_ids),
         block_size=block_size,
@@ -90,7 +91,7 @@ class EventQueue:
     """Events waiting for `consumer` (None: no consumer, and callers build no events; check
     `consumer is not None` before making one). `pending` is the queue, oldest first."""
 
-    __slots__ = ("consumer", "pending", "_delivering", "_guard", "seq")
+    __slots__ = ("consumer", "pending", "_delivering", "_guard", "seq", "digest")
 
     def __init__(self, consumer: Callable[[PrefixCacheEvent], None] | None, guard: ThreadGuard):
         self.consumer = consumer
@@ -98,6 +99,12 @@ class EventQueue:
         self._delivering = False
         self._guard = guard
         self.seq = 0  # the number of the latest event emitted
+        self.digest: Callable | None = None  # node -> its hash under another scheme (None: node.hash)
+
+    def hashes(self, nodes: Iterable) -> tuple:
+        """The hashes events report for `nodes`: `node.hash`, or the scheme's digest."""
+        digest = self.digest
+        return tuple(n.hash for n in nodes) if digest is None else tuple(map(digest, nodes))
 
     def emit(self, event: PrefixCacheEvent) -> None:
         """Number `event` (the next `seq`) and queue it for the next delivery."""

@@ -35,6 +35,8 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, Pre
 from .block_keys import BlockKeys, block_keys
 from .eviction import Chosen
 from .retention import RetentionApi, RetentionEviction, priority_of
+from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, resolve_seed
+from .vllm_hash import SCHEME as VLLM_SCHEME
 from .hashing import chain_hash, int64_bytes, root_hash
 from .stats import PrefixCacheStats, PrefixCounters
 from .disk_tiering import DiskTiering
@@ -100,18 +102,26 @@ class PrefixCache(RetentionApi):
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,
                  host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, hash_scheme: str = DEFAULT_SCHEME,
+                 hash_seed: str | None = None):
         """`host_tier`: a HostTier of `cache` to demote evicted blocks into (see
         `pagedkv.sequences.tiering`); `swap_stream`: the stream demotions are enqueued on,
         after the work already there (give the engine's compute stream). `disk_tier`: a
         DiskTier below the host tier (see `pagedkv.sequences.disk_tiering`), bound here: a
         directory of another layout is refused (DiskLayoutMismatch) with nothing changed,
         one of the same layout comes up warm (its chains match). `clock` (seconds, monotonic)
-        times retention TTLs (`set_retention`)."""
+        times retention TTLs (`set_retention`). `hash_scheme="vllm-sha256-cbor"` reports block
+        hashes as vLLM v1 computes them (`pagedkv.sequences.vllm_hash`: 32-byte digests, in
+        `block_hash` and in events) from the root of `hash_seed` (the engines'
+        PYTHONHASHSEED string; default: this process's PYTHONHASHSEED, ValueError when
+        unset); the default scheme keeps the 64-bit chained blake2b."""
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable, got {on_event!r}")
+        if hash_scheme not in SCHEMES:
+            raise ValueError(f"hash_scheme must be one of {', '.join(SCHEMES)}, got {hash_scheme!r}")
+        digest = VllmHashes(resolve_seed(hash_seed), cache.block_size()) if hash_scheme == VLLM_SCHEME else None
         if not callable(clock):
             raise TypeError(f"clock must be callable (seconds, monotonic), got {clock!r:.60}")
         if host_tier is not None:
@@ -138,6 +148,8 @@ class PrefixCache(RetentionApi):
         self._allocator = cache.allocator()
         self._guard = ThreadGuard("this PrefixCache")
         self._events = EventQueue(on_event, self._guard)
+        self._events.digest = self._digest = digest
+        self._hash_scheme = hash_scheme
         self._tree = RadixTree(self._block_size)
         self._by_block = self._tree.by_block  # the same dict: the hot paths read it directly
         self._policy = RetentionEviction(self._tree, cache.ref_count, clock)
@@ -362,7 +374,8 @@ class PrefixCache(RetentionApi):
             self._policy.touch_chain(path)
         events = self._events
         if adopt and events.consumer is not None:
-            events.emit(stored(adopt, tokens[(first_new - len(adopt)) * bs : first_new * bs], new_blocks[: len(adopt)], bs))
+            events.emit(stored(adopt, tokens[(first_new - len(adopt)) * bs : first_new * bs], new_blocks[: len(adopt)], bs,
+                               digest=events.digest))
         new_blocks = new_blocks[len(adopt):]
         if not new_blocks:
             return len(adopt)
@@ -372,7 +385,7 @@ class PrefixCache(RetentionApi):
         made = tree.extend(node, data, first_new - base, new_blocks, keys, base)
         self._policy.touch(made)
         if events.consumer is not None:
-            events.emit(stored(made, tokens[first_new * bs : n_full * bs], new_blocks, bs))
+            events.emit(stored(made, tokens[first_new * bs : n_full * bs], new_blocks, bs, digest=events.digest))
         return len(adopt) + len(new_blocks)
 
     # -- eviction ----------------------------------------------------------------------
@@ -400,10 +413,8 @@ class PrefixCache(RetentionApi):
             self._counters.evictions += len(blocks)
             self._counters.count_priorities(priorities)
             return blocks
-        blocks, hashes = [], []
-        for _, node in chosen:
-            blocks.append(node.block)
-            hashes.append(node.hash)
+        blocks = [node.block for _, node in chosen]
+        hashes = self._events.hashes([node for _, node in chosen]) if self._events.consumer is not None else ()
         for block in blocks:
             self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
         remove = self._tree.remove_leaf
@@ -534,12 +545,17 @@ class PrefixCache(RetentionApi):
         """True when `block` is in the cache."""
         return block in self._by_block
 
-    def block_hash(self, block: int) -> int:
-        """The chained content hash of a cached block; KeyError when it is not cached."""
+    def block_hash(self, block: int) -> int | bytes:
+        """The chained content hash of a cached block (an int under the default scheme, the
+        32-byte digest under "vllm-sha256-cbor"); KeyError when it is not cached."""
         node = self._by_block.get(block)
         if node is None:
             raise KeyError(f"block {block} is not in the prefix cache")
-        return node.hash
+        return node.hash if self._digest is None else self._digest(node)
+
+    def hash_scheme(self) -> str:
+        """The scheme of `block_hash` and the events' hashes."""
+        return self._hash_scheme
 
     def block_references(self) -> dict[int, int]:
         """block -> references the prefix cache holds (1 per cached block)."""

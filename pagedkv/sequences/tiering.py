@@ -105,10 +105,10 @@ class HostTiering:
         _log.debug("prefix_cache_demoted", blocks=len(demoted), dropped=len(dropped))
         events = self._events
         if events.consumer is not None:
-            events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(blocks)))
+            events.emit(BlockRemoved(block_hashes=events.hashes(nodes), block_ids=tuple(blocks)))
             for node, host in zip(demoted, hosts):
                 events.emit(stored([node], np.frombuffer(node.key[: 8 * self._block_size], "<i8").tolist(), (host,),
-                                   self._block_size, "CPU"))
+                                   self._block_size, "CPU", events.digest))
         return blocks
 
     def drop(self, n: int) -> None:
@@ -141,7 +141,7 @@ class HostTiering:
         self.tier.free(hosts)
         self._counts.host_drops += len(gone)
         if self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in gone), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(gone), block_ids=tuple(hosts), medium="CPU"))
         if disk is not None:
             for node in lost:  # its disk-only descendants went with it
                 stack, below = list(node.children.values()), []
@@ -173,7 +173,7 @@ class HostTiering:
         self.tier.free(hosts)
         self._counts.host_drops += len(on_host)
         if on_host and self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in on_host), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(on_host), block_ids=tuple(hosts), medium="CPU"))
         if self.disk is not None:
             self.disk.forget(nodes)
 
@@ -191,7 +191,7 @@ class HostTiering:
                 del by_host[node.lower]
             tree.enter_device(node, block)
         if on_host and self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in on_host), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(on_host), block_ids=tuple(hosts), medium="CPU"))
 
     def forget_all(self) -> None:
         """The host tier was released: forget every host-resident node (one BlockRemoved
@@ -208,7 +208,7 @@ class HostTiering:
         self._pinned.clear()
         self._counts.host_drops += len(nodes)
         if nodes and self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(nodes), block_ids=tuple(hosts), medium="CPU"))
 
     def clear(self, wipe_disk: bool = True) -> int:
         """Free every host block (while the tier is live) and forget the host nodes and disk
@@ -253,7 +253,7 @@ class HostTiering:
         self._counts.promotions += len(nodes)
         if self._events.consumer is not None:
             tokens = np.frombuffer(b"".join(n.key[: 8 * self._block_size] for n in nodes), "<i8").tolist()
-            self._events.emit(stored(nodes, tokens, blocks, self._block_size))
+            self._events.emit(stored(nodes, tokens, blocks, self._block_size, digest=self._events.digest))
 
     def checker(self):
         """A `check_lower(node)` for `RadixTree.check`: KvCacheError where a host node

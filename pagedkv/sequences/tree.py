@@ -33,7 +33,8 @@ def adapter_id_checked(adapter_id: object) -> int:
 class Node:
     """One cached block of the tree (or a root, `block == -1`)."""
 
-    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev", "retain")
+    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev", "retain",
+                 "digest")
 
     def __init__(self, key: bytes, block: int, hash_: int, parent: "Node | None", adapter_id: int):
         self.key = key  # the block's tokens as int64 little-endian bytes (exact, not a hash)
@@ -46,6 +47,7 @@ class Node:
         self.last_used = 0
         self.adapter_id = adapter_id
         self.retain = None  # the retention hint (`retention.Retention`), or None
+        self.digest = None  # the hash under another hash scheme (`vllm_hash`), computed on first use
 
 
 class RadixTree:
