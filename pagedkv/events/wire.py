@@ -27,25 +27,35 @@ def _msgpack():
     return msgpack
 
 
-def event_fields(event: object) -> list:
-    """One pagedkv event as vLLM's tagged array."""
+_PACKER = None
+
+
+def _packer():
+    """One msgpack Packer (bin type for bytes; reused: packing is the publisher thread's)."""
+    global _PACKER
+    if _PACKER is None:
+        _PACKER = _msgpack().Packer(use_bin_type=True)
+    return _PACKER
+
+
+def event_fields(event: object) -> tuple:
+    """One pagedkv event as vLLM's tagged array (a tuple: msgpack writes it as an array)."""
     kind = type(event)
     if kind is BlockStored:
-        return ["BlockStored", list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
-                event.block_size, event.adapter_id or None, event.medium]
+        return ("BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                event.adapter_id or None, event.medium)
     if kind is BlockRemoved:
-        return ["BlockRemoved", list(event.block_hashes), event.medium]
+        return ("BlockRemoved", event.block_hashes, event.medium)
     if kind is AllBlocksCleared:
-        return ["AllBlocksCleared"]
+        return ("AllBlocksCleared",)
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
 def encode_batch(ts: float, events: Iterable[object], data_parallel_rank: int | None = None) -> bytes:
     """The msgpack payload of one `KVEventBatch`."""
-    body = [float(ts), [event_fields(e) for e in events]]
-    if data_parallel_rank is not None:
-        body.append(data_parallel_rank)
-    return _msgpack().packb(body, use_bin_type=True)
+    fields = [event_fields(e) for e in events]
+    body = (float(ts), fields) if data_parallel_rank is None else (float(ts), fields, data_parallel_rank)
+    return _packer().pack(body)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[list], int | None]:
