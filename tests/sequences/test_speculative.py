@@ -188,3 +188,15 @@ def test_random_speculative_steps_against_the_reference(seed, steps, window):
     stats = world.prefix.stats()
     assert stats.hit_tokens > 0 and stats.evictions > 0 and world.steps == steps  # it matched and evicted
     world.close()
+
+
+def test_the_readme_drafting_step_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Serving: drafting"):readme.index("## Host tier")]
+    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["cache"].num_blocks() == 0 and namespace["gpu"].live_allocations() == 0
