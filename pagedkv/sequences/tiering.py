@@ -15,6 +15,7 @@ the oldest is always a leaf). `SequenceTable.add` promotes the host part of its 
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from ..core.log import get_logger
 from ..errors import KvCacheError
 from .events import BlockRemoved, EventQueue, stored
 from .eviction import Chosen
+from .retention import priority_of
 from .stats import PrefixCounters
 from .tree import Node, RadixTree
 
@@ -118,7 +120,9 @@ class HostTiering:
         gone: list[Node] = []
         picked: set[int] = set()
         by_host, pinned = self.by_host, self._pinned
-        for host in self.tier.oldest():  # the LRU is left alone until the loop is done
+        if getattr(self._policy, "hints", 0):
+            gone = self._by_priority(n, picked)
+        for host in self.tier.oldest() if not gone else ():  # the LRU is left alone until the loop is done
             if len(gone) == n:
                 break
             node = by_host[host]
@@ -150,6 +154,31 @@ class HostTiering:
                     stack.extend(child.children.values())
                     below.append(child)
                 disk.forget(below)
+
+    def _by_priority(self, n: int, picked: set[int]) -> list[Node]:
+        """`drop`'s victims once retention hints exist: host leaves lowest priority first,
+        least recently used first within a priority, children before parents, pinned ones
+        kept (O(host blocks) per call)."""
+        by_host, pinned = self.by_host, self._pinned
+        rank = {host: i for i, host in enumerate(self.tier.oldest())}
+
+        def free_to_go(node: Node) -> bool:
+            return not (id(node) in pinned or (node.retain is not None and node.retain.pins)
+                        or any(c.lower is not None and id(c) not in picked for c in node.children.values()))
+
+        heap = [(priority_of(node), rank[host], id(node), node) for host, node in by_host.items() if free_to_go(node)]
+        heapq.heapify(heap)
+        gone: list[Node] = []
+        while heap and len(gone) < n:
+            node = heapq.heappop(heap)[3]
+            if id(node) in picked:
+                continue
+            gone.append(node)
+            picked.add(id(node))
+            parent = node.parent
+            if parent.lower is not None and parent.lower in by_host and free_to_go(parent):
+                heapq.heappush(heap, (priority_of(parent), rank[parent.lower], id(parent), parent))
+        return gone
 
     def drop_subtree(self, node: Node) -> None:
         """Drop every host-resident descendant of `node` (whose device children are gone)."""

@@ -155,3 +155,25 @@ def test_with_a_table_hints_follow_cache_prefix():
     table.check_invariants()
     prefix.close()
     cache.release(gpu)
+
+
+def test_host_tier_drops_go_lowest_priority_first():
+    from pagedkv.host_tier import HostTier
+
+    gpu = HostBackend(1 << 26)
+    cfg = KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(cfg, 4, gpu)
+    tier = HostTier(cache, 4, gpu)
+    prefix = PrefixCache(cache, host_tier=tier)
+    a, b, c = prompts(3)
+    for p in (a, b):
+        cache_all(cache, prefix, [p])
+        cache.free_blocks(cache.alloc_blocks(4))  # demoted: a, then b, fill the host tier
+    assert prefix.set_retention(a, priority=70) == 2  # a is the least recently used, but kept longer
+    cache_all(cache, prefix, [c])
+    cache.free_blocks(cache.alloc_blocks(4))  # c demoted: 2 host blocks must go, b's
+    assert [prefix.match(p).host_num_tokens for p in (a, b, c)] == [8, 0, 8]
+    prefix.check_invariants()
+    prefix.close()
+    tier.release(gpu)
+    cache.release(gpu)
