@@ -126,7 +126,9 @@ class RetentionEviction(LruEviction):
         if len(self._heap) > 2 * len(self._by_block) + 64:
             self._rebuild()
         self._serial += 1
-        heapq.heappush(self._heap, (priority_of(node), node.last_used, self._serial, node))
+        r = node.retain  # priority_of, inline: every release of a cached block pushes
+        priority = DEFAULT_PRIORITY if r is None or r.priority is None else r.priority
+        heapq.heappush(self._heap, (priority, node.last_used, self._serial, node))
 
     def _rebuild(self) -> None:
         ref_count = self._ref_count
