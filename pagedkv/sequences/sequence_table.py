@@ -29,8 +29,9 @@ from ..core.streams import stream_handle
 from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
-from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
 from .block_keys import block_keys
+from .drafting import DraftingSteps
+from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
 
@@ -84,7 +85,7 @@ class _Seq:
         return other
 
 
-class SequenceTable(SequenceExports, LengthExports):
+class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
@@ -93,6 +94,8 @@ class SequenceTable(SequenceExports, LengthExports):
     One thread at a time: the table shares its prefix cache's guard (or has its own), and a
     call entering while another thread is inside raises ConcurrentUseError, changing
     nothing. Prefix-cache events caused by a call are delivered when the call is done."""
+
+    _step_arguments = staticmethod(_step_arguments)  # for the drafting side
 
     def __init__(
         self,
@@ -218,7 +221,7 @@ class SequenceTable(SequenceExports, LengthExports):
         `append` or `truncate` takes them back first: its tokens reuse those positions (and
         their blocks, KV included) and blocks no longer needed are released."""
         if lookahead:
-            self._append(seq_id, n_tokens, token_ids, lookahead)
+            self._append_drafting(seq_id, n_tokens, token_ids, lookahead)
             return
         token = self._guard_token
         try:
@@ -267,8 +270,12 @@ class SequenceTable(SequenceExports, LengthExports):
             guard.depth -= 1
             guard.owner = None
 
-    def _append(self, seq_id: Hashable, n_tokens: object, token_ids: object, lookahead: object = 0) -> None:
+    def _append(self, seq_id: Hashable, n_tokens: object, token_ids: object) -> None:
         """`append`, every case (the guard not held by the caller)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.lookahead:  # its drafts are taken back first: the drafting path
+            self._append_drafting(seq_id, n_tokens, token_ids, 0)
+            return
         guard = self._guard
         token = guard.token
         try:
@@ -292,48 +299,27 @@ class SequenceTable(SequenceExports, LengthExports):
                 n_tokens = 1
             else:
                 n_tokens, token_ids = _step_arguments(n_tokens, token_ids)
-            if lookahead or seq.lookahead:
-                lookahead = non_negative_int(lookahead, "lookahead")
-                old = seq.num_tokens - seq.lookahead  # the committed end: the drafts are taken back
+            old = seq.num_tokens
+            total = old + n_tokens
+            if total > seq.room:
                 if took:
                     guard.owner = get_ident()  # a full claim: the allocation may call back in
                 guard.depth += 1
                 try:
-                    self._reshape(seq, old, old + n_tokens + lookahead, n_tokens + lookahead)
+                    self._grow(seq, old, total, n_tokens)
                 finally:
                     guard.depth -= 1
                     if took:
                         guard.owner = None
-                seq.lookahead = lookahead
-                seq.settle(self._bs)
                 grown = True
-                if seq.tokens_known and n_tokens:
-                    if token_ids is None:
-                        seq.tokens_known = False
-                    else:
-                        seq.tokens += token_ids
-            else:
-                old = seq.num_tokens
-                total = old + n_tokens
-                if total > seq.room:
-                    if took:
-                        guard.owner = get_ident()  # a full claim: the allocation may call back in
-                    guard.depth += 1
-                    try:
-                        self._grow(seq, old, total, n_tokens)
-                    finally:
-                        guard.depth -= 1
-                        if took:
-                            guard.owner = None
-                    grown = True
-                # else the decode fast path: room in a private last block
-                seq.num_tokens = total
-                seq.step_start = old
-                if seq.tokens_known and n_tokens:
-                    if token_ids is None:
-                        seq.tokens_known = False
-                    else:
-                        seq.tokens += token_ids
+            # else the decode fast path: room in a private last block
+            seq.num_tokens = total
+            seq.step_start = old
+            if seq.tokens_known and n_tokens:
+                if token_ids is None:
+                    seq.tokens_known = False
+                else:
+                    seq.tokens += token_ids
         finally:
             if took:
                 token.append(True)
@@ -387,81 +373,6 @@ class SequenceTable(SequenceExports, LengthExports):
         seq.num_tokens = total
         seq.step_start = old
         seq.settle(bs)
-
-    def _reshape(self, seq: _Seq, old: int, total: int, written: int) -> None:
-        """Make the sequence's positions `[0, total)`, the step writing `[old, total)`
-        (`written` of them; `old` is the committed end, drafts past it already taken back):
-        blocks held for exactly those positions, blocks past them released, and a shared
-        block holding position `old` copied first when the step writes into it. All or
-        nothing: on any error the sequence and every count are as they were."""
-        bs, cache = self._bs, self._cache
-        have = seq.dropped + len(seq.blocks)
-        needed = -(-total // bs)
-        if self._window is not None and written and needed - old // bs > self._window:
-            raise ValueError(
-                f"appending {written} positions at {old} spans {needed - old // bs} blocks "
-                f"but the window holds {self._window}"
-            )
-        at = old // bs - seq.dropped  # the held block of position `old`, when it is partly filled
-        copy = int(bool(written and seq.maybe_shared and old % bs and cache.ref_count(seq.blocks[at]) > 1))
-        fresh = cache.alloc_blocks(max(needed - have, 0) + copy)
-        try:
-            self._init(fresh[copy:])
-            if copy:
-                self._copy(seq.blocks[at], fresh[0])
-        except BaseException:
-            cache.free_blocks(fresh)
-            raise
-        if copy:
-            shared, seq.blocks[at] = seq.blocks[at], fresh[0]
-            cache.dec_ref(shared)
-        seq.blocks.extend(fresh[copy:])
-        keep = max(needed - seq.dropped, 0)
-        released, seq.blocks[keep:] = seq.blocks[keep:], []
-        if written:
-            seq.maybe_shared = False
-        if self._window is not None and len(seq.blocks) > self._window:
-            extra = len(seq.blocks) - self._window
-            released += seq.blocks[:extra]
-            seq.blocks[:extra] = []
-            seq.dropped += extra
-            seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
-        seq.num_tokens = total
-        seq.step_start = old
-        if released:
-            cache.free_blocks(released[::-1])  # tail first, like `free`
-
-    @guarded
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Take back every position of the sequence from `num_tokens` on: rejected drafts
-        (a lookahead's, or tokens appended for verification), or a suffix to regenerate.
-        `num_tokens` is at most `num_tokens(seq_id)` and not before `first_block_position`
-        (ValueError naming it, nothing changed). Blocks past the new end are released; the
-        remembered ids are cut to the new end (an id given only as a count is forgotten
-        with its position). A block now partly filled is offered to the prefix cache only
-        once committed tokens with ids fill it again, and when another sequence or the
-        prefix cache holds it, the next write copies it first (the cached KV is never
-        written). The latest step then introduced no positions (`slot_mapping` is empty
-        for it until the next `append`)."""
-        seq = self._get(seq_id)
-        num_tokens = non_negative_int(num_tokens, "num_tokens")
-        committed = seq.num_tokens - seq.lookahead
-        if num_tokens > committed:
-            raise ValueError(f"num_tokens is {num_tokens}, past the {committed} tokens of sequence {seq_id!r}")
-        first = seq.dropped * self._bs
-        if num_tokens < first:
-            raise ValueError(
-                f"num_tokens is {num_tokens}, but the window released the blocks before position {first} "
-                f"of sequence {seq_id!r}"
-            )
-        self._reshape(seq, num_tokens, num_tokens, 0)
-        seq.lookahead = 0
-        if not seq.dropped and len(seq.tokens) >= num_tokens:
-            del seq.tokens[num_tokens:]
-            seq.tokens_known = True  # every remaining position has its id
-        if num_tokens % self._bs:
-            seq.maybe_shared = True  # the next write checks the partly filled block for other holders
-        seq.settle(self._bs)
 
     @guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
@@ -550,10 +461,6 @@ class SequenceTable(SequenceExports, LengthExports):
         (not the drafts of a lookahead)."""
         seq = self._get(seq_id)
         return seq.num_tokens - seq.lookahead
-
-    def num_lookahead(self, seq_id: Hashable) -> int:
-        """Draft positions past the committed end (the latest append's `lookahead`)."""
-        return self._get(seq_id).lookahead
 
     def blocks(self, seq_id: Hashable) -> list[int]:
         """The blocks the sequence holds, oldest first (a copy)."""
