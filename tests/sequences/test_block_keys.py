@@ -134,3 +134,29 @@ def test_keyed_chains_demote_to_the_host_tier_and_come_back_under_their_keys():
     prefix.close()
     tier.release(gpu)
     cache.release(gpu)
+
+
+def test_keyed_chains_stay_off_the_disk_tier_plain_ones_go_there(tmp_path):
+    from pagedkv.tiers.disk_tier import DiskTier
+    from pagedkv.host_tier import HostTier
+
+    gpu = HostBackend(1 << 26)
+    cfg = KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(cfg, 4, gpu)
+    tier = HostTier(cache, 3, gpu)
+    disk = DiskTier(str(tmp_path), 1 << 20)
+    prefix = PrefixCache(cache, host_tier=tier, disk_tier=disk)
+    table = SequenceTable(cache, prefix, gpu)
+    for i, kw in enumerate(({"cache_salt": "t"}, {}, {"extra_keys": [(0, 1, "x")]}, {})):
+        table.add(i, [t + 100 * i for t in PROMPT], **kw)
+        table.free(i)
+        cache.free_blocks(cache.alloc_blocks(4))  # device -> host -> (disk)
+    assert prefix.match([t + 100 for t in PROMPT]).disk_num_tokens + prefix.match([t + 100 for t in PROMPT]).host_num_tokens == 12
+    assert prefix.match(PROMPT, cache_salt="t").disk_num_tokens == 0
+    assert prefix.match([t + 200 for t in PROMPT], extra_keys=[(0, 1, "x")]).disk_num_tokens == 0
+    assert prefix.num_disk_blocks() >= 3
+    table.check_invariants()
+    prefix.close()
+    disk.close()
+    tier.release(gpu)
+    cache.release(gpu)
