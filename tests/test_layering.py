@@ -23,8 +23,11 @@ ALLOWED = {
     "cache": {"kv", "interop", "backends", "codecs", "core", "errors"},
     "tiers": {"cache", "kv", "interop", "backends", "core", "errors"},
     "sequences": {"tiers", "cache", "kv", "interop", "backends", "core", "errors"},
-    "testing": {"sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core", "errors"},
-    "cli": {"testing", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core", "errors"},
+    "events": {"sequences", "core", "errors"},
+    "testing": {"events", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core",
+                "errors"},
+    "cli": {"testing", "events", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core",
+            "errors"},
 }
 """Sub-package (or flat module) of pagedkv -> the ones it may import. The package root
 (`pagedkv/__init__.py`, `__main__.py`) may import anything."""

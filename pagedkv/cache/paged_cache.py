@@ -194,6 +194,15 @@ class PagedKvCache(CacheGeometry):
         """How many blocks are on the free list."""
         return self._allocator.num_free_blocks()
 
+    def num_available_blocks(self) -> int:
+        """The blocks an engine admits against: free ones plus the cached blocks the
+        attached prefix cache would evict for an allocation (its `num_evictable_blocks()`;
+        pinned chains and blocks a sequence holds are not counted). Equals
+        `num_free_blocks()` with no prefix cache attached. O(cached blocks)."""
+        free = self._allocator.num_free_blocks()
+        evictable = getattr(self._allocator.reclaimer(), "num_evictable_blocks", None)
+        return free if evictable is None else free + evictable()
+
     def num_blocks(self) -> int:
         """Blocks per pool (0 after `release`)."""
         return self._allocator.num_blocks()

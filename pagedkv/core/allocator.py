@@ -385,12 +385,13 @@ class BlockAllocator:
             reclaimer.on_sole_reference(block)
 
     def return_evicted_block(self, block: int) -> None:
-        """The reclaimer handing back its own reference to a block it still holds: one
-        decrement, pushed onto the free list on 1 -> 0. RefCountError, nothing changed, for
-        a block the attached reclaimer does not hold (or with none attached); at count 0 a
-        warning and nothing else."""
+        """A prefix cache handing back its own reference to a block it evicted: one
+        decrement, pushed onto the free list on 1 -> 0; at count 0 a warning and nothing
+        else. With no reclaimer attached this is the seed contract, for an engine whose own
+        prefix cache evicts. With one attached, the block must be one it holds:
+        RefCountError, nothing changed, otherwise."""
         block = self.block(block)
-        if self._reclaimer is None or not self._reclaimer.is_cached(block):
+        if self._reclaimer is not None and not self._reclaimer.is_cached(block):
             raise RefCountError(
                 f"return_evicted_block of block {block}, which no attached prefix cache holds"
                 f"{self._history_suffix(block)}"

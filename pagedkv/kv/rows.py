@@ -77,7 +77,9 @@ def layer_geometry(pools: KvPools, layer: int) -> tuple[int, int, KvCacheDtype, 
     return heads, head_dim, k_fmt, v_fmt
 
 
-def _slots(pools: KvPools, slots, num_tokens: int | None) -> np.ndarray:
+def _slots(pools: KvPools, slots, num_tokens: int | None, repeats: bool = False) -> np.ndarray:
+    """`slots` as a checked int64 array: integers, 1-D, in the cache or -1, `num_tokens` long
+    when given, and (unless `repeats`: reads may name a slot twice) each slot at most once."""
     if slots is None or isinstance(slots, (str, bytes)):
         raise TypeError(f"slots must be a 1-D sequence of int slots, got {type(slots).__name__} {slots!r:.60}")
     arr = np.asarray(slots)
@@ -99,6 +101,8 @@ def _slots(pools: KvPools, slots, num_tokens: int | None) -> np.ndarray:
             f"slot {value} outside the cache: slots run 0..{limit - 1} "
             f"({pools.num_blocks()} blocks x {block_size} tokens), -1 skips a token"
         )
+    if repeats:
+        return arr
     valid = arr[arr != SKIP_SLOT]
     unique, counts = np.unique(valid, return_counts=True)
     if (counts > 1).any():
@@ -118,12 +122,33 @@ def _runs(slots: np.ndarray, block_size: int) -> _Runs:
 
 
 def _values(name: str, values, heads: int, head_dim: int, num_tokens: int | None) -> np.ndarray:
+    """`values` as float32 rows of this layer's dims: float32 and BF16 as they are, float64
+    rounded to nearest float32 (a finite float64 beyond float32's range is refused by
+    `_fits_float32` before anything is written)."""
+    if isinstance(values, np.ndarray) and values.dtype == np.float64:
+        with np.errstate(over="ignore", invalid="ignore"):
+            values = values.astype(np.float32)
     x = as_float32_values(values, name, check_finite=False)
     if x.shape[1:] != (heads, head_dim) or (num_tokens is not None and x.shape[0] != num_tokens):
         raise ValueError(
             f"{name} must be shaped [num_tokens, {heads}, {head_dim}] for this layer, got {x.shape}"
         )
     return x
+
+
+def _fits_float32(name: str, values, rows: np.ndarray) -> None:
+    """ValueError naming the first finite float64 value of the written `rows` that rounds to
+    an infinite float32; NaN/inf are left to `require_finite`."""
+    if not isinstance(values, np.ndarray) or values.dtype != np.float64:
+        return
+    picked = values[rows]
+    with np.errstate(over="ignore", invalid="ignore"):
+        over = np.isfinite(picked) & np.isinf(picked.astype(np.float32))
+    if over.any():
+        where = [int(i) for i in np.argwhere(over)[0]]
+        value = float(picked[tuple(where)])
+        where[0] = int(rows[where[0]])
+        raise ValueError(f"{name}[{', '.join(map(str, where))}] = {value!r} is beyond float32's range")
 
 
 def write_tokens(
@@ -139,8 +164,8 @@ def write_tokens(
     check_blocks: Callable[[np.ndarray], None] | None = None,
     nonfinite: int = 0,
 ) -> None:
-    """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32 or BF16, the
-    layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
+    """Encode token rows `k` and `v` ([num_tokens, num_kv_heads, head_dim] float32, BF16 or
+    float64 (rounded to nearest float32 first), the layer's dims) into the slots of `layer`, each side in its own format (fp8 sides divide by
     `k_scale`/`v_scale`). Everything is validated before the first byte is written; waits for
     `stream` first. Under `v_aliases_k` V is not written (`v` may be None). Host arrays are
     encoded on the host and staged with synchronous `copy_h2d`. `check_blocks`, when given, is called with
@@ -174,6 +199,9 @@ def write_tokens(
     runs = _runs(_slots(pools, slots, num_tokens), block_size)
     if check_blocks is not None:
         check_blocks(np.unique(runs.blocks))
+    _fits_float32("k", k, runs.order)
+    if v_values is not None:
+        _fits_float32("v", v, runs.order)
     require_finite(k_values, "k", runs.order)
     if v_values is not None:
         require_finite(v_values, "v", runs.order)
@@ -217,7 +245,8 @@ def read_tokens(
     stream: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(k, v) float32 [num_slots, num_kv_heads, head_dim] decoded from `layer`'s slots; a -1
-    slot gives a row of zeros. Turbo sides come back in the model's basis unless
+    slot gives a row of zeros, and a slot named more than once gives its row each time (a
+    decode batch whose sequences share a prefix-cached block; writes refuse repeats). Turbo sides come back in the model's basis unless
     `unrotate=False`; fp8 sides are multiplied by `k_scale`/`v_scale`. Under `v_aliases_k`
     V is a copy of K.
 
@@ -248,14 +277,24 @@ def read_tokens(
     aliased = pools.config().v_aliases_k
     block_size = pools.config().block_size
     check_scale(k_scale), check_scale(v_scale)
-    arr = _slots(pools, slots, None)
+    arr = _slots(pools, slots, None, repeats=True)
+    inverse = None
+    if arr.size > 1:
+        distinct, inverse = np.unique(arr, return_inverse=True)
+        if distinct.size == arr.size:
+            inverse = None  # every slot once: read in place
+        else:
+            arr = distinct  # a repeated slot (sequences sharing a cached block): read once, fan out
     runs = _runs(arr, block_size)
     k_side = _Side.of(k_fmt, block_size, heads, head_dim)
     k = _read_side(pools.k_block_ptr, layer, k_side, runs, arr.size, (heads, head_dim), gpu, unrotate, k_scale)
     if aliased:
+        k = k if inverse is None else k[inverse.reshape(-1)]
         return k, k.copy()
     v_side = _Side.of(v_fmt, block_size, heads, head_dim)
     v = _read_side(pools.v_block_ptr, layer, v_side, runs, arr.size, (heads, head_dim), gpu, unrotate, v_scale)
+    if inverse is not None:
+        k, v = k[inverse.reshape(-1)], v[inverse.reshape(-1)]
     return k, v
 
 

@@ -34,7 +34,7 @@ from ..tiers.disk_index import IndexRecord
 from .events import BlockRemoved, BlockStored, EventQueue
 from .hashing import root_hash
 from .stats import PrefixCounters
-from .tree import Node, RadixTree
+from .tree import Node, RadixTree, is_keyed
 
 if TYPE_CHECKING:
     from ..tiers.disk_tier import DiskTier
@@ -162,6 +162,8 @@ class DiskTiering:
             if node in self.slot_of:
                 kept.add(id(node))
                 continue
+            if is_keyed(node, self._tree.block_size):
+                continue  # the disk index keeps token-keyed chains only: a salted or extra-keyed block stays off disk
             slot = self._free_slot()
             if slot is None:
                 continue
@@ -331,8 +333,8 @@ class DiskTiering:
         for node in nodes:
             tokens.extend(int.from_bytes(node.key[i : i + 8], "little") for i in range(0, len(node.key), 8))
         self._events.emit(BlockStored(
-            block_hashes=tuple(n.hash for n in nodes),
-            parent_block_hash=None if parent.block == -1 else parent.hash,
+            block_hashes=self._events.hashes(nodes),
+            parent_block_hash=None if parent.block == -1 else self._events.hashes([parent])[0],
             token_ids=tuple(tokens),
             block_ids=tuple(ids if ids is not None else (self.slot_of[n] for n in nodes)),
             block_size=self._block_size,
@@ -342,5 +344,5 @@ class DiskTiering:
 
     def _emit_removed(self, nodes: list[Node], slots: list[int]) -> None:
         if self._events.consumer is not None and slots:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(slots),
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(nodes), block_ids=tuple(slots),
                                            medium="DISK"))

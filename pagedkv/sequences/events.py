@@ -2,16 +2,19 @@
 
 Events are queued while an operation runs and handed to the consumer only once it is
 complete (never from inside it): `EventQueue.deliver` runs at the end of a public call of
-the prefix cache or a table on it, or after an allocation that evicted.
+the prefix cache or a table on it, or after an allocation that evicted. Every event carries
+`seq`, its prefix cache's event number (1, 2, 3, ... in emission order, so a consumer sees a
+gap as a lost event) and `medium` where blocks are concerned.
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, Union
 
 from ..core.guard import ThreadGuard
+from .block_keys import node_extra_keys
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class BlockStored:
     kind: str = "stored"
     medium: str = "GPU"
     """Where the blocks now live: "GPU" (device blocks) or "CPU" (host-tier blocks)."""
+    seq: int = field(default=0, compare=False)
+    """The event's number in its prefix cache (from 1, no gaps; not part of equality)."""
+    extra_keys: tuple | None = None
+    """Per block, the tuple of its extra keys where vLLM places them (the `extra_keys`
+    covering it in the given order, then the cache salt on a prompt's first block), or
+    None for a block with none; None for the whole event when no block has any."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,8 @@ class BlockRemoved:
     kind: str = "removed"
     medium: str = "GPU"
     """The tier the blocks left: "GPU" or "CPU"."""
+    seq: int = field(default=0, compare=False)
+    """The event's number in its prefix cache (from 1, no gaps; not part of equality)."""
 
 
 @dataclass(frozen=True)
@@ -47,24 +58,32 @@ class AllBlocksCleared:
     """Every cached block was dropped by `clear()`."""
 
     kind: str = "cleared"
+    seq: int = field(default=0, compare=False)
+    """The event's number in its prefix cache (from 1, no gaps; not part of equality)."""
 
 
 PrefixCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 def stored(nodes: Sequence, token_ids: Iterable[int], block_ids: Iterable[int], block_size: int,
-           medium: str = "GPU") -> BlockStored:
+           medium: str = "GPU", digest: Callable | None = None) -> BlockStored:
     """The BlockStored of `nodes`, a chain of tree nodes (parent first) now held in
-    `block_ids` of `medium`; the parent hash is None when the chain starts at a root."""
+    `block_ids` of `medium`; the parent hash is None when the chain starts at a root.
+    `digest(node)`, when given, is the hash scheme's hash (else `node.hash`)."""
     parent = nodes[0].parent
+    step = 8 * block_size
+    extra = None
+    if parent.block == -1 and parent.key or any(len(n.key) != step for n in nodes):
+        extra = tuple(node_extra_keys(n, block_size) for n in nodes)
     return BlockStored(
-        block_hashes=tuple(n.hash for n in nodes),
-        parent_block_hash=None if parent.block == -1 else parent.hash,
+        block_hashes=tuple(n.hash for n in nodes) if digest is None else tuple(map(digest, nodes)),
+        parent_block_hash=None if parent.block == -1 else parent.hash if digest is None else digest(parent),
         token_ids=tuple(token_ids),
         block_ids=tuple(block_ids),
         block_size=block_size,
         adapter_id=nodes[0].adapter_id,
         medium=medium,
+        extra_keys=extra,
     )
 
 
@@ -72,16 +91,25 @@ class EventQueue:
     """Events waiting for `consumer` (None: no consumer, and callers build no events; check
     `consumer is not None` before making one). `pending` is the queue, oldest first."""
 
-    __slots__ = ("consumer", "pending", "_delivering", "_guard")
+    __slots__ = ("consumer", "pending", "_delivering", "_guard", "seq", "digest")
 
     def __init__(self, consumer: Callable[[PrefixCacheEvent], None] | None, guard: ThreadGuard):
         self.consumer = consumer
         self.pending: collections.deque = collections.deque()
         self._delivering = False
         self._guard = guard
+        self.seq = 0  # the number of the latest event emitted
+        self.digest: Callable | None = None  # node -> its hash under another scheme (None: node.hash)
+
+    def hashes(self, nodes: Iterable) -> tuple:
+        """The hashes events report for `nodes`: `node.hash`, or the scheme's digest."""
+        digest = self.digest
+        return tuple(n.hash for n in nodes) if digest is None else tuple(map(digest, nodes))
 
     def emit(self, event: PrefixCacheEvent) -> None:
-        """Queue `event` for the next delivery."""
+        """Number `event` (the next `seq`) and queue it for the next delivery."""
+        self.seq += 1
+        object.__setattr__(event, "seq", self.seq)  # frozen for consumers; numbered once, here
         self.pending.append(event)
 
     def deliver(self) -> None:

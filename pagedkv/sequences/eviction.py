@@ -106,6 +106,21 @@ class LruEviction:
             self._serial += 1
             heapq.heappush(self._heap, (stamp, self._serial, node))
 
+    def count_evictable(self) -> int:
+        """How many device blocks successive evictions could take now: cached blocks only
+        the cache holds whose device descendants are all such blocks too (O(cached blocks))."""
+        ref_count, kept = self._ref_count, set()
+        for node in self._by_block.values():
+            if ref_count(node.block) != 1 or self.kept(node):
+                while node.block != -1 and id(node) not in kept:  # it and its ancestors stay
+                    kept.add(id(node))
+                    node = node.parent
+        return len(self._by_block) - len(kept)
+
+    def kept(self, node: Node) -> bool:
+        """True when a retention rule keeps `node` from eviction (never, for plain LRU)."""
+        return False
+
     def clear(self) -> None:
         """Forget every candidate (the tree was cleared)."""
         self._heap = []

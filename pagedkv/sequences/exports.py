@@ -260,3 +260,52 @@ class SequenceExports:
                 raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
         slots = slot_mapping_of(self._seq_list(seq_ids), bs, pad_to)
         return Exported(slots, self._exports.upload("slot_mapping", [slots]))
+
+
+def seq_lens_of(seqs: Sequence[Any], block_size: int) -> np.ndarray:
+    """int32 tokens each sequence's held blocks cover (its positions from its first held
+    block on: `num_tokens` less what a sliding window released), in batch order."""
+    return np.fromiter((s.num_tokens - s.dropped * block_size for s in seqs), dtype=np.int32, count=len(seqs))
+
+
+def token_slots_of(seq: Any, block_size: int, start: int, stop: int) -> np.ndarray:
+    """int64 slots of positions [start, stop) of `seq` (already checked against its held blocks)."""
+    positions = np.arange(start, stop, dtype=np.int64)
+    held = np.asarray(seq.blocks, dtype=np.int64)
+    return held[positions // block_size - seq.dropped] * block_size + positions % block_size
+
+
+class LengthExports:
+    """The length and whole-sequence slot exports of `SequenceTable` (it sets what
+    `SequenceExports` names), guarded like its other calls."""
+
+    @guarded
+    def seq_lens(self, seq_ids: Iterable[Hashable]) -> Exported:
+        """int32 per sequence, in batch order: the tokens its held blocks cover, the
+        `seq_lens` FlashAttention and vLLM's kernels take beside the block table (with a
+        sliding window, `num_tokens - first_block_position`; with lookahead, the drafts
+        included). Ids distinct, as for the other exports. The export (and `device`, with a
+        backend) is a DLPack producer."""
+        lens = seq_lens_of(self._seq_list(seq_ids), self._bs)
+        return Exported(lens, self._exports.upload("seq_lens", [lens]))
+
+    @guarded
+    def token_slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> Exported:
+        """int64 slots of positions [start, stop) of one sequence (stop defaults to its end,
+        drafts of a lookahead included): a whole prompt's prefill. `start` may not precede
+        `first_block_position` (blocks a window released have no slots) and `stop` may not
+        pass the end: ValueError naming the value. The export (and `device`, with a backend)
+        is a DLPack producer."""
+        seq = self._get(seq_id)
+        end = seq.num_tokens
+        start = non_negative_int(start, "start")
+        stop = end if stop is None else non_negative_int(stop, "stop")
+        first = seq.dropped * self._bs
+        if stop > end:
+            raise ValueError(f"stop is {stop}, past the {end} positions of sequence {seq_id!r}")
+        if start > stop:
+            raise ValueError(f"start is {start}, after stop {stop}")
+        if start < first and start < stop:
+            raise ValueError(f"start is {start}, but the window released positions before {first} of sequence {seq_id!r}")
+        slots = token_slots_of(seq, self._bs, start, stop)
+        return Exported(slots, self._exports.upload("token_slots", [slots]))

@@ -22,6 +22,7 @@ instead of dropping, and `SequenceTable.add` promotes the host part of its match
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..cache import PagedKvCache
@@ -31,7 +32,11 @@ from ..core.streams import stream_handle
 from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
 from ..errors import KvCacheError, RefCountError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
-from .eviction import Chosen, LruEviction
+from .block_keys import BlockKeys, block_keys
+from .eviction import Chosen
+from .retention import RetentionApi, RetentionEviction, priority_of
+from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, resolve_seed
+from .vllm_hash import SCHEME as VLLM_SCHEME
 from .hashing import chain_hash, int64_bytes, root_hash
 from .stats import PrefixCacheStats, PrefixCounters
 from .disk_tiering import DiskTiering
@@ -75,7 +80,7 @@ class _Reservation(TieredMatch):
     confirmed nor cancelled), so that it is released only once."""
 
 
-class PrefixCache:
+class PrefixCache(RetentionApi):
     """A prefix cache attached to one PagedKvCache (one per KV cache). It holds one
     reference of its own on every cached block, so a cached block never reaches the free
     list while cached; `PagedKvCache.alloc_blocks` asks it to evict when short.
@@ -96,17 +101,29 @@ class PrefixCache:
     `block_references` speak of the device tier, `num_host_blocks` of the host tier."""
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,
-                 host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None):
+                 host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None,
+                 clock: Callable[[], float] = time.monotonic, hash_scheme: str = DEFAULT_SCHEME,
+                 hash_seed: str | None = None):
         """`host_tier`: a HostTier of `cache` to demote evicted blocks into (see
         `pagedkv.sequences.tiering`); `swap_stream`: the stream demotions are enqueued on,
         after the work already there (give the engine's compute stream). `disk_tier`: a
         DiskTier below the host tier (see `pagedkv.sequences.disk_tiering`), bound here: a
         directory of another layout is refused (DiskLayoutMismatch) with nothing changed,
-        one of the same layout comes up warm (its chains match)."""
+        one of the same layout comes up warm (its chains match). `clock` (seconds, monotonic)
+        times retention TTLs (`set_retention`). `hash_scheme="vllm-sha256-cbor"` reports block
+        hashes as vLLM v1 computes them (`pagedkv.sequences.vllm_hash`: 32-byte digests, in
+        `block_hash` and in events) from the root of `hash_seed` (the engines'
+        PYTHONHASHSEED string; default: this process's PYTHONHASHSEED, ValueError when
+        unset); the default scheme keeps the 64-bit chained blake2b."""
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable, got {on_event!r}")
+        if hash_scheme not in SCHEMES:
+            raise ValueError(f"hash_scheme must be one of {', '.join(SCHEMES)}, got {hash_scheme!r}")
+        digest = VllmHashes(resolve_seed(hash_seed), cache.block_size()) if hash_scheme == VLLM_SCHEME else None
+        if not callable(clock):
+            raise TypeError(f"clock must be callable (seconds, monotonic), got {clock!r:.60}")
         if host_tier is not None:
             from ..tiers.host_tier import HostTier
 
@@ -131,9 +148,11 @@ class PrefixCache:
         self._allocator = cache.allocator()
         self._guard = ThreadGuard("this PrefixCache")
         self._events = EventQueue(on_event, self._guard)
+        self._events.digest = self._digest = digest
+        self._hash_scheme = hash_scheme
         self._tree = RadixTree(self._block_size)
         self._by_block = self._tree.by_block  # the same dict: the hot paths read it directly
-        self._policy = LruEviction(self._tree, cache.ref_count)
+        self._policy = RetentionEviction(self._tree, cache.ref_count, clock)
         self._counters = PrefixCounters()
         self._tiering: HostTiering | None = None
         if host_tier is not None:
@@ -169,12 +188,19 @@ class PrefixCache:
 
     # -- lookup and registration -------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], adapter_id: int = 0, cache_salt: str | bytes | None = None,
+              extra_keys=None) -> PrefixMatch:
         """The longest cached run of whole blocks at the start of `tokens`; takes one
         reference for the caller on each returned device block (free it like your own,
         once) and refreshes their recency. With a host tier, the run's continuation in host
         blocks is reported too (`host_blocks`, `host_num_tokens`; recency refreshed, not
-        held, counted as host hits). On a closed cache, an empty match."""
+        held, counted as host hits). On a closed cache, an empty match.
+
+        `cache_salt` (a non-empty str or bytes) is a namespace: only blocks cached under the
+        same salt match. `extra_keys`, `(offset, length, key)` ranges of token positions
+        (key a str, bytes or int >= 0: an image's content hash over its placeholders, a
+        LoRA name), are part of the key of every block they cover, even partly; see
+        `pagedkv.sequences.block_keys`."""
         guard = self._guard
         guard.enter()
         try:
@@ -183,8 +209,9 @@ class PrefixCache:
                 tokens = token_ids(tokens, "tokens")  # converts, or raises naming the bad entry
                 data = int64_bytes(tokens)
             adapter_id = adapter_id_checked(adapter_id)
+            keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
             tiering = self._check_tier()
-            path = self._tree.walk_bytes(data, adapter_id)
+            path = self._tree.walk_bytes(data, adapter_id if keys is None else keys.root_key, keys)
             path, host_path, disk_path = tiering.split(path) if tiering is not None else (path, [], [])
             blocks = [n.block for n in path]
             self._allocator.inc_refs_of_valid(blocks)
@@ -208,28 +235,32 @@ class PrefixCache:
             self.deliver_events()
         return found
 
-    def reserve(self, tokens: Sequence[int], adapter_id: int = 0) -> PrefixMatch:
+    def reserve(self, tokens: Sequence[int], adapter_id: int = 0, cache_salt: str | bytes | None = None,
+                extra_keys=None) -> PrefixMatch:
         """`match` in two steps, for a request that may still be refused: the longest cached
         run, with one reference taken for the caller on each block but no statistics or
         recency recorded. Follow it with `confirm` once the request is admitted, or
-        `cancel` to hand the references back as if the lookup never happened; either once."""
+        `cancel` to hand the references back as if the lookup never happened; either once.
+        `cache_salt` and `extra_keys` as for `match`."""
         guard = self._guard
         guard.enter()
         try:
             tokens = token_ids(tokens, "tokens")
-            return self._reserve_checked(tokens, len(tokens), adapter_id_checked(adapter_id))
+            adapter_id = adapter_id_checked(adapter_id)
+            keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
+            return self._reserve_checked(tokens, len(tokens), adapter_id, keys)
         finally:
             guard.exit()
 
-    def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int) -> PrefixMatch:
+    def _reserve_checked(self, tokens: list[int], n: int, adapter_id: int, keys: BlockKeys | None = None) -> PrefixMatch:
         """`reserve` of `tokens[:n]`, already validated (the guard held by the caller)."""
         self._check_tier()
-        return self._reservation(self._tree.walk(tokens, n, adapter_id))
+        return self._reservation(self._tree.walk(tokens, n, adapter_id if keys is None else keys.root_key, keys))
 
-    def _reserve_bytes(self, data: bytes, adapter_id: int) -> PrefixMatch:
+    def _reserve_bytes(self, data: bytes, adapter_id: int, keys: BlockKeys | None = None) -> PrefixMatch:
         """`reserve` of tokens given as valid int64 bytes (the guard held by the caller)."""
         self._check_tier()
-        return self._reservation(self._tree.walk_bytes(data, adapter_id))
+        return self._reservation(self._tree.walk_bytes(data, adapter_id if keys is None else keys.root_key, keys))
 
     def _reservation(self, whole: list[Node]) -> PrefixMatch:
         tiering = self._tiering
@@ -290,32 +321,36 @@ class PrefixCache:
             self._refresh_on_release = True
 
     @guarded
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0) -> int:
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0,
+               cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Register the caller's full blocks of `tokens` (`blocks[i]` holds tokens
         `i*block_size ..`; a final partial block is not cached). Chunks already cached keep
         their block; new ones take one reference of the cache's own on the caller's block.
         Returns how many blocks were newly cached. Checked before anything changes;
-        KvCacheError on a closed cache."""
+        KvCacheError on a closed cache. `cache_salt` and `extra_keys` as for `match`."""
         self._check_open("insert")
         adapter_id = adapter_id_checked(adapter_id)
+        keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
         tokens = token_ids(tokens, "tokens")
         blocks = block_list(blocks, self._cache.num_blocks(), "blocks")  # names a bad entry
         bs = self._block_size
         n_full = len(tokens) // bs
         if not n_full <= len(blocks) <= -(-len(tokens) // bs):
             raise ValueError(f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given")
-        return self._insert_checked(tokens, blocks, n_full, adapter_id, False)
+        return self._insert_checked(tokens, blocks, n_full, adapter_id, False, keys)
 
-    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool) -> int:
+    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool,
+                        keys: BlockKeys | None = None) -> int:
         """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
         With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
         already cached under the current node is followed without comparing its tokens."""
         tiering = self._check_tier()
         bs, tree = self._block_size, self._tree
-        root = tree.roots.get(adapter_id)
+        root_key = adapter_id if keys is None else keys.root_key
+        root = tree.roots.get(root_key)
         node, path, data, base = root, [], None, 0
         if root is not None:
-            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block)
+            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys)
         first_new = len(path)
         path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
         adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks
@@ -331,7 +366,7 @@ class PrefixCache:
         except RefCountError as err:
             raise RefCountError(f"insert of a free block: the caller must hold every block it inserts ({err})") from None
         if root is None:
-            root = node = tree.root(adapter_id)
+            root = node = tree.root(root_key)
         if adopt:
             tiering.to_device(adopt, new_blocks[: len(adopt)])
             path += adopt
@@ -339,17 +374,18 @@ class PrefixCache:
             self._policy.touch_chain(path)
         events = self._events
         if adopt and events.consumer is not None:
-            events.emit(stored(adopt, tokens[(first_new - len(adopt)) * bs : first_new * bs], new_blocks[: len(adopt)], bs))
+            events.emit(stored(adopt, tokens[(first_new - len(adopt)) * bs : first_new * bs], new_blocks[: len(adopt)], bs,
+                               digest=events.digest))
         new_blocks = new_blocks[len(adopt):]
         if not new_blocks:
             return len(adopt)
         if data is None:
             base = first_new
             data = int64_bytes(tokens[base * bs : n_full * bs])  # one array for the run, not one per block
-        made = tree.extend(node, data, first_new - base, new_blocks)
+        made = tree.extend(node, data, first_new - base, new_blocks, keys, base)
         self._policy.touch(made)
         if events.consumer is not None:
-            events.emit(stored(made, tokens[first_new * bs : n_full * bs], new_blocks, bs))
+            events.emit(stored(made, tokens[first_new * bs : n_full * bs], new_blocks, bs, digest=events.digest))
         return len(adopt) + len(new_blocks)
 
     # -- eviction ----------------------------------------------------------------------
@@ -371,20 +407,21 @@ class PrefixCache:
 
     def _evict_chosen(self, chosen: Chosen) -> list[int]:
         tiering = self._check_tier()
+        priorities = [priority_of(node) for _, node in chosen] if self._policy.hints else ()
         if tiering is not None and chosen:
             blocks = tiering.demote(chosen)
             self._counters.evictions += len(blocks)
+            self._counters.count_priorities(priorities)
             return blocks
-        blocks, hashes = [], []
-        for _, node in chosen:
-            blocks.append(node.block)
-            hashes.append(node.hash)
+        blocks = [node.block for _, node in chosen]
+        hashes = self._events.hashes([node for _, node in chosen]) if self._events.consumer is not None else ()
         for block in blocks:
             self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
         remove = self._tree.remove_leaf
         for _, node in chosen:
             remove(node)
         self._counters.evictions += len(blocks)
+        self._counters.count_priorities(priorities)
         if blocks:
             _log.debug("prefix_cache_evicted", blocks=len(blocks))
             if self._events.consumer is not None:
@@ -498,16 +535,27 @@ class PrefixCache:
         """How many blocks the cache holds."""
         return len(self._by_block)
 
+    def num_evictable_blocks(self) -> int:
+        """How many cached device blocks allocation could evict now (held by the cache
+        alone, with no held or kept descendant on the device); `PagedKvCache.
+        num_available_blocks()` adds them to the free list. O(cached blocks)."""
+        return self._policy.count_evictable()
+
     def is_cached(self, block: int) -> bool:
         """True when `block` is in the cache."""
         return block in self._by_block
 
-    def block_hash(self, block: int) -> int:
-        """The chained content hash of a cached block; KeyError when it is not cached."""
+    def block_hash(self, block: int) -> int | bytes:
+        """The chained content hash of a cached block (an int under the default scheme, the
+        32-byte digest under "vllm-sha256-cbor"); KeyError when it is not cached."""
         node = self._by_block.get(block)
         if node is None:
             raise KeyError(f"block {block} is not in the prefix cache")
-        return node.hash
+        return node.hash if self._digest is None else self._digest(node)
+
+    def hash_scheme(self) -> str:
+        """The scheme of `block_hash` and the events' hashes."""
+        return self._hash_scheme
 
     def block_references(self) -> dict[int, int]:
         """block -> references the prefix cache holds (1 per cached block)."""

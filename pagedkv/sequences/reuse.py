@@ -24,14 +24,14 @@ class PrefixReuse:
         self._gpu = gpu
         self._stream = stream
 
-    def reserve(self, data: bytes, n: int, adapter_id: int) -> PrefixMatch:
+    def reserve(self, data: bytes, n: int, adapter_id: int, keys: Any = None) -> PrefixMatch:
         """The cached run of a prompt of `n` tokens (`data`: their int64 bytes), never its
         last token, with references taken on its device blocks and its host part kept from
         being dropped until `promote` or `cancel`."""
         if n <= 1:
             return PrefixMatch([], 0)
         prefix = self.prefix
-        found = prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id)
+        found = prefix._reserve_bytes(data[: 8 * (n - 1)], adapter_id, keys)
         if found.host_blocks:
             prefix._tiering.pin(found)
         if found.disk_blocks:
@@ -78,4 +78,4 @@ class PrefixReuse:
         full = min(len(seq.tokens), seq.num_tokens) // block_size
         if not full:
             return 0
-        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True)
+        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True, seq.salt)

@@ -29,7 +29,9 @@ from ..core.streams import stream_handle
 from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
-from .exports import ExportBuffers, Exported, PageTable, SequenceExports
+from .block_keys import block_keys
+from .drafting import DraftingSteps
+from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
 
@@ -56,7 +58,8 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 
 class _Seq:
     __slots__ = (
-        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room"
+        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
+        "lookahead", "salt",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -69,6 +72,8 @@ class _Seq:
         self.step_start = step_start  # first position written by the latest add/append
         self.maybe_shared = False  # set by fork: the partly filled last block may be shared
         self.room = -1  # tokens `append` may reach without growing; -1 sends it to _grow
+        self.lookahead = 0  # the last `lookahead` of num_tokens are draft positions (slots, no committed id)
+        self.salt = None  # the prefix cache's key context (cache salt, extra keys) of the prompt
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks or `maybe_shared` changed."""
@@ -76,11 +81,11 @@ class _Seq:
 
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
-        other.tokens_known, other.dropped = self.tokens_known, self.dropped
+        other.tokens_known, other.dropped, other.salt = self.tokens_known, self.dropped, self.salt
         return other
 
 
-class SequenceTable(SequenceExports):
+class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
@@ -89,6 +94,8 @@ class SequenceTable(SequenceExports):
     One thread at a time: the table shares its prefix cache's guard (or has its own), and a
     call entering while another thread is inside raises ConcurrentUseError, changing
     nothing. Prefix-cache events caused by a call are delivered when the call is done."""
+
+    _step_arguments = staticmethod(_step_arguments)  # for the drafting side
 
     def __init__(
         self,
@@ -129,7 +136,8 @@ class SequenceTable(SequenceExports):
     # -- lifecycle of a sequence -------------------------------------------------------
 
     @guarded
-    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
+    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0,
+            cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Start a sequence with `prompt_tokens`; returns how many leading tokens came from
         the prefix cache (whole blocks; never the last prompt token, which the engine must
         compute). Raises ValueError for a duplicate id or a prompt longer than the window,
@@ -142,7 +150,11 @@ class SequenceTable(SequenceExports):
         table's stream (the host waits for it when the table has no backend), and those
         tokens count as matched. All or nothing: a failed promotion (no device blocks, a
         swap error) leaves the sequence unadded, the host blocks cached and every count as
-        it was."""
+        it was.
+
+        `cache_salt` and `extra_keys` key the prompt's blocks as in `PrefixCache.match`
+        (a namespace; keys of the blocks they cover): the match, and every later offer of
+        this sequence's blocks (`cache_prefix`, `free`, a fork's), use them."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
@@ -158,8 +170,9 @@ class SequenceTable(SequenceExports):
                 f"prompt of {n} tokens needs {needed} blocks but the window holds {self._window}"
             )
         adapter_id = adapter_id_checked(adapter_id)
+        keys = block_keys(adapter_id, cache_salt, extra_keys, self._bs)
         reuse = self._reuse
-        found = reuse.reserve(data, n, adapter_id) if reuse is not None else PrefixMatch([], 0)
+        found = reuse.reserve(data, n, adapter_id, keys) if reuse is not None else PrefixMatch([], 0)
         if found.disk_blocks:
             try:
                 reuse.load(found)  # disk -> host; blocks read stay in the host tier whatever follows
@@ -187,17 +200,29 @@ class SequenceTable(SequenceExports):
             reuse.confirm(n, found)
         matched += hosted * self._bs
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
+        seq.salt = keys
         seq.settle(self._bs)
         return matched
 
-    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None,
+               lookahead: int = 0) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
         when given, are remembered so the blocks can be cached. Allocates only at a block
         boundary, copies a shared partly filled last block first, and releases the oldest
         blocks beyond the window. ValueError when the step's tokens span more blocks than
         the window; KvCacheExhausted (nothing changed) when blocks run out. A backend error
         while initialising or copying new blocks frees them again; cached blocks the prefix
-        cache evicted to make room stay evicted (every count stays consistent)."""
+        cache evicted to make room stay evicted (every count stays consistent).
+
+        `lookahead=k` (speculative decoding) also gives `k` draft positions past the new
+        committed end their slots, in this step's `slot_mapping` after the step's tokens
+        (and in `block_table`, `page_table`, `seq_lens`): the drafts are not committed, so
+        `num_tokens` leaves them out and they never reach the prefix cache. The next
+        `append` or `truncate` takes them back first: its tokens reuse those positions (and
+        their blocks, KV included) and blocks no longer needed are released."""
+        if lookahead:
+            self._append_drafting(seq_id, n_tokens, token_ids, lookahead)
+            return
         token = self._guard_token
         try:
             token.pop()  # the guard, claimed inline: a decode step's one id is the per-token hot path
@@ -209,6 +234,7 @@ class SequenceTable(SequenceExports):
             seq = self._seqs.get(seq_id)
             if (
                 seq is not None
+                and not seq.lookahead
                 and type(token_ids) is list
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
             ):
@@ -246,6 +272,10 @@ class SequenceTable(SequenceExports):
 
     def _append(self, seq_id: Hashable, n_tokens: object, token_ids: object) -> None:
         """`append`, every case (the guard not held by the caller)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.lookahead:  # its drafts are taken back first: the drafting path
+            self._append_drafting(seq_id, n_tokens, token_ids, 0)
+            return
         guard = self._guard
         token = guard.token
         try:
@@ -347,14 +377,18 @@ class SequenceTable(SequenceExports):
     @guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """Start `dst` as a copy of `src` sharing every block (one more reference each); the
-        first write of either into a shared, partly filled last block copies it first."""
+        first write of either into a shared, partly filled last block copies it first. The
+        copy has `src`'s committed tokens only: drafts of a lookahead stay with `src`."""
         parent = self._get(src)
         if dst in self._seqs:
             raise ValueError(f"sequence {dst!r} already exists")
         child = parent.clone()
+        if parent.lookahead:  # the child starts at the committed end: the drafts stay the parent's
+            child.num_tokens = child.step_start = parent.num_tokens - parent.lookahead
+            del child.blocks[max(-(-child.num_tokens // self._bs) - child.dropped, 0):]
         for block in child.blocks:
             self._cache.inc_ref(block)
-        if parent.num_tokens % self._bs:
+        if child.num_tokens % self._bs:
             parent.maybe_shared = child.maybe_shared = True
         parent.settle(self._bs)
         child.settle(self._bs)
@@ -423,8 +457,10 @@ class SequenceTable(SequenceExports):
         return seq
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens in the sequence, including any whose blocks the window released."""
-        return self._get(seq_id).num_tokens
+        """Committed tokens in the sequence, including any whose blocks the window released
+        (not the drafts of a lookahead)."""
+        seq = self._get(seq_id)
+        return seq.num_tokens - seq.lookahead
 
     def blocks(self, seq_id: Hashable) -> list[int]:
         """The blocks the sequence holds, oldest first (a copy)."""

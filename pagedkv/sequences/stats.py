@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,9 @@ class PrefixCacheStats:
     disk copy now, blocks given a disk copy (queued for writing), read back from disk, and
     disk copies dropped for room; and the disk tier's degradations: writes skipped (its
     queue full), writes failed (disk full, I/O error), reads dropped (a checksum mismatch
-    or an I/O error), each of which only made a block "not cached"."""
+    or an I/O error), each of which only made a block "not cached"; and the device
+    evictions by the priority the blocks had (`evictions_by_priority`, priority -> count;
+    blocks with no hint count under 35)."""
 
     queries: int
     queried_tokens: int
@@ -37,6 +40,7 @@ class PrefixCacheStats:
     disk_skipped_writes: int = 0
     disk_failed_writes: int = 0
     disk_failed_reads: int = 0
+    evictions_by_priority: Mapping[int, int] = field(default_factory=dict)
 
 
 class PrefixCounters:
@@ -44,12 +48,19 @@ class PrefixCounters:
     to the fields they own. They outlive a released host tier."""
 
     __slots__ = ("queries", "queried_tokens", "device_hits", "host_hits", "disk_hits", "evictions", "demotions",
-                 "promotions", "host_drops", "disk_stores", "disk_loads", "disk_drops")
+                 "promotions", "host_drops", "disk_stores", "disk_loads", "disk_drops", "by_priority")
 
     def __init__(self):
         self.queries = self.queried_tokens = self.device_hits = self.host_hits = self.disk_hits = 0
         self.evictions = self.demotions = self.promotions = self.host_drops = 0
         self.disk_stores = self.disk_loads = self.disk_drops = 0
+        self.by_priority: dict[int, int] = {}  # filled once a retention hint exists; else all at 35
+
+    def count_priorities(self, priorities: Iterable[int]) -> None:
+        """Device evictions at these priorities (one per block)."""
+        by = self.by_priority
+        for p in priorities:
+            by[p] = by.get(p, 0) + 1
 
     def count_query(self, queried_tokens: int, device_hits: int, host_hits: int = 0, disk_hits: int = 0) -> None:
         """One lookup of `queried_tokens` tokens that found `device_hits` tokens in device
@@ -86,4 +97,13 @@ class PrefixCounters:
             disk_skipped_writes=getattr(disk, "skipped_writes", 0),
             disk_failed_writes=getattr(disk, "failed_writes", 0),
             disk_failed_reads=getattr(disk, "failed_reads", 0),
+            evictions_by_priority=self._by_priority(),
         )
+
+    def _by_priority(self) -> dict[int, int]:
+        """Evictions by priority: those counted while hints existed, the rest at 35."""
+        by = dict(self.by_priority)
+        rest = self.evictions - sum(by.values())
+        if rest > 0:
+            by[35] = by.get(35, 0) + rest
+        return dict(sorted(by.items()))

@@ -15,6 +15,7 @@ the oldest is always a leaf). `SequenceTable.add` promotes the host part of its 
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from ..core.log import get_logger
 from ..errors import KvCacheError
 from .events import BlockRemoved, EventQueue, stored
 from .eviction import Chosen
+from .retention import priority_of
 from .stats import PrefixCounters
 from .tree import Node, RadixTree
 
@@ -105,9 +107,10 @@ class HostTiering:
         _log.debug("prefix_cache_demoted", blocks=len(demoted), dropped=len(dropped))
         events = self._events
         if events.consumer is not None:
-            events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(blocks)))
+            events.emit(BlockRemoved(block_hashes=events.hashes(nodes), block_ids=tuple(blocks)))
             for node, host in zip(demoted, hosts):
-                events.emit(stored([node], np.frombuffer(node.key, "<i8").tolist(), (host,), self._block_size, "CPU"))
+                events.emit(stored([node], np.frombuffer(node.key[: 8 * self._block_size], "<i8").tolist(), (host,),
+                                   self._block_size, "CPU", events.digest))
         return blocks
 
     def drop(self, n: int) -> None:
@@ -117,11 +120,14 @@ class HostTiering:
         gone: list[Node] = []
         picked: set[int] = set()
         by_host, pinned = self.by_host, self._pinned
-        for host in self.tier.oldest():  # the LRU is left alone until the loop is done
+        if getattr(self._policy, "hints", 0):
+            gone = self._by_priority(n, picked)
+        for host in self.tier.oldest() if not gone else ():  # the LRU is left alone until the loop is done
             if len(gone) == n:
                 break
             node = by_host[host]
-            if id(node) in pinned or any(c.lower is not None and id(c) not in picked for c in node.children.values()):
+            if (id(node) in pinned or (node.retain is not None and node.retain.pins)
+                    or any(c.lower is not None and id(c) not in picked for c in node.children.values())):
                 continue  # its parent, more recent, comes later in the LRU
             gone.append(node)
             picked.add(id(node))
@@ -139,7 +145,7 @@ class HostTiering:
         self.tier.free(hosts)
         self._counts.host_drops += len(gone)
         if self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in gone), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(gone), block_ids=tuple(hosts), medium="CPU"))
         if disk is not None:
             for node in lost:  # its disk-only descendants went with it
                 stack, below = list(node.children.values()), []
@@ -148,6 +154,31 @@ class HostTiering:
                     stack.extend(child.children.values())
                     below.append(child)
                 disk.forget(below)
+
+    def _by_priority(self, n: int, picked: set[int]) -> list[Node]:
+        """`drop`'s victims once retention hints exist: host leaves lowest priority first,
+        least recently used first within a priority, children before parents, pinned ones
+        kept (O(host blocks) per call)."""
+        by_host, pinned = self.by_host, self._pinned
+        rank = {host: i for i, host in enumerate(self.tier.oldest())}
+
+        def free_to_go(node: Node) -> bool:
+            return not (id(node) in pinned or (node.retain is not None and node.retain.pins)
+                        or any(c.lower is not None and id(c) not in picked for c in node.children.values()))
+
+        heap = [(priority_of(node), rank[host], id(node), node) for host, node in by_host.items() if free_to_go(node)]
+        heapq.heapify(heap)
+        gone: list[Node] = []
+        while heap and len(gone) < n:
+            node = heapq.heappop(heap)[3]
+            if id(node) in picked:
+                continue
+            gone.append(node)
+            picked.add(id(node))
+            parent = node.parent
+            if parent.lower is not None and parent.lower in by_host and free_to_go(parent):
+                heapq.heappush(heap, (priority_of(parent), rank[parent.lower], id(parent), parent))
+        return gone
 
     def drop_subtree(self, node: Node) -> None:
         """Drop every host-resident descendant of `node` (whose device children are gone)."""
@@ -171,7 +202,7 @@ class HostTiering:
         self.tier.free(hosts)
         self._counts.host_drops += len(on_host)
         if on_host and self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in on_host), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(on_host), block_ids=tuple(hosts), medium="CPU"))
         if self.disk is not None:
             self.disk.forget(nodes)
 
@@ -189,7 +220,7 @@ class HostTiering:
                 del by_host[node.lower]
             tree.enter_device(node, block)
         if on_host and self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in on_host), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(on_host), block_ids=tuple(hosts), medium="CPU"))
 
     def forget_all(self) -> None:
         """The host tier was released: forget every host-resident node (one BlockRemoved
@@ -206,7 +237,7 @@ class HostTiering:
         self._pinned.clear()
         self._counts.host_drops += len(nodes)
         if nodes and self._events.consumer is not None:
-            self._events.emit(BlockRemoved(block_hashes=tuple(n.hash for n in nodes), block_ids=tuple(hosts), medium="CPU"))
+            self._events.emit(BlockRemoved(block_hashes=self._events.hashes(nodes), block_ids=tuple(hosts), medium="CPU"))
 
     def clear(self, wipe_disk: bool = True) -> int:
         """Free every host block (while the tier is live) and forget the host nodes and disk
@@ -250,8 +281,8 @@ class HostTiering:
         found.promoted = len(nodes)
         self._counts.promotions += len(nodes)
         if self._events.consumer is not None:
-            tokens = np.frombuffer(b"".join(n.key for n in nodes), "<i8").tolist()
-            self._events.emit(stored(nodes, tokens, blocks, self._block_size))
+            tokens = np.frombuffer(b"".join(n.key[: 8 * self._block_size] for n in nodes), "<i8").tolist()
+            self._events.emit(stored(nodes, tokens, blocks, self._block_size, digest=self._events.digest))
 
     def checker(self):
         """A `check_lower(node)` for `RadixTree.check`: KvCacheError where a host node

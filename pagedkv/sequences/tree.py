@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core.validate import non_negative_int
 from ..errors import KvCacheError, RefCountError
+from .block_keys import EXTRA_MARK, BlockKeys, root_adapter, salted_root_hash
 from .hashing import HASH_START, chain_digest, int64_bytes, root_hash
 
 
@@ -32,7 +33,8 @@ def adapter_id_checked(adapter_id: object) -> int:
 class Node:
     """One cached block of the tree (or a root, `block == -1`)."""
 
-    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev")
+    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev", "retain",
+                 "digest")
 
     def __init__(self, key: bytes, block: int, hash_: int, parent: "Node | None", adapter_id: int):
         self.key = key  # the block's tokens as int64 little-endian bytes (exact, not a hash)
@@ -44,11 +46,15 @@ class Node:
         self.children: dict[bytes, Node] = {}
         self.last_used = 0
         self.adapter_id = adapter_id
+        self.retain = None  # the retention hint (`retention.Retention`), or None
+        self.digest = None  # the hash under another hash scheme (`vllm_hash`), computed on first use
 
 
 class RadixTree:
-    """The nodes of one prefix cache: `roots` (adapter id -> root) and `by_block` (device
-    block -> node)."""
+    """The nodes of one prefix cache: `roots` (root key -> root: an adapter id, or
+    `(adapter_id, salt)` for a salted namespace, see `block_keys`) and `by_block` (device
+    block -> node). A block an extra key covers is keyed by its tokens then its keys
+    (`BlockKeys.suffix`); the walks take the prompt's `BlockKeys` (None: tokens only)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -56,17 +62,25 @@ class RadixTree:
         self.roots: dict[int, Node] = {}
         self.by_block: dict[int, Node] = {}
 
-    def walk(self, tokens: list[int], n: int, adapter_id: int) -> list[Node]:
+    def walk(self, tokens: list[int], n: int, adapter_id: object, keys: BlockKeys | None = None) -> list[Node]:
         """The cached nodes along the whole blocks of `tokens[:n]` (valid ids)."""
         if n < self.block_size or adapter_id not in self.roots:
             return []
-        return self.walk_bytes(int64_bytes(tokens[: n - n % self.block_size]), adapter_id)
+        return self.walk_bytes(int64_bytes(tokens[: n - n % self.block_size]), adapter_id, keys)
 
-    def walk_bytes(self, data: bytes, adapter_id: int) -> list[Node]:
-        """The cached nodes along the whole blocks of `data` (int64 token bytes)."""
+    def walk_bytes(self, data: bytes, adapter_id: object, keys: BlockKeys | None = None) -> list[Node]:
+        """The cached nodes along the whole blocks of `data` (int64 token bytes) under the
+        root `adapter_id` (a root key); with `keys`, each block's key carries its suffix."""
         node = self.roots.get(adapter_id)
         path: list[Node] = []
-        if node is not None:
+        if node is not None and keys is not None and keys.extra:
+            step = 8 * self.block_size
+            for i in range(len(data) // step):
+                node = node.children.get(data[i * step : (i + 1) * step] + keys.suffix(i))
+                if node is None:
+                    break
+                path.append(node)
+        elif node is not None:
             key_type = self.key_type
             for key in np.frombuffer(data, key_type, len(data) // key_type.itemsize).tolist():  # one bytes per block
                 node = node.children.get(key)
@@ -76,7 +90,7 @@ class RadixTree:
         return path
 
     def follow(self, node: Node, tokens: list[int], blocks: list[int], n_full: int,
-               by_block: bool) -> tuple[Node, list[Node], bytes | None, int]:
+               by_block: bool, keys: BlockKeys | None = None) -> tuple[Node, list[Node], bytes | None, int]:
         """Walk down from `node` along the first `n_full` blocks of `tokens` (valid ids) as
         far as the tree has them. With `by_block`, the caller vouches that `blocks[i]` holds
         block i, so a cached block under the current node is followed without comparing
@@ -96,23 +110,30 @@ class RadixTree:
                     base = i
                     data = int64_bytes(tokens[base * bs : n_full * bs])
                 at = (i - base) * step
-                child = node.children.get(data[at : at + step])
+                key = data[at : at + step]
+                child = node.children.get(key if keys is None else key + keys.suffix(i))
                 if child is None:
                     break
             passed.append(child)
             node = child
         return node, passed, data, base
 
-    def root(self, adapter_id: int) -> Node:
-        """The root of `adapter_id`'s blocks, made on first use."""
+    def root(self, adapter_id: object) -> Node:
+        """The root of a root key's blocks (an adapter id, or `(adapter_id, salt)`), made
+        on first use."""
         root = self.roots.get(adapter_id)
         if root is None:
-            root = self.roots[adapter_id] = Node(b"", -1, root_hash(adapter_id), None, adapter_id)
+            adapter = root_adapter(adapter_id)
+            salt = b"" if type(adapter_id) is int else adapter_id[1]  # type: ignore[index]
+            root = self.roots[adapter_id] = Node(salt, -1, root_hash_of(adapter_id), None, adapter)
         return root
 
-    def extend(self, parent: Node, data: bytes, first: int, blocks: list[int]) -> list[Node]:
+    def extend(self, parent: Node, data: bytes, first: int, blocks: list[int],
+               keys: BlockKeys | None = None, key_base: int = 0) -> list[Node]:
         """New device nodes under `parent`, a chain: the i-th holds `blocks[i]` and the
-        tokens of block `first + i` of `data` (int64 bytes). Returns them, parent first."""
+        tokens of block `first + i` of `data` (int64 bytes), then the suffix `keys` gives
+        the prompt's block `key_base + first + i` (`data` starting at block `key_base`).
+        Returns them, parent first."""
         step = 8 * self.block_size
         index, from_bytes, copy_start = self.by_block, int.from_bytes, HASH_START.copy
         digest = parent.hash.to_bytes(8, "little")
@@ -121,6 +142,8 @@ class RadixTree:
         adapter_id = parent.adapter_id
         for offset, block in enumerate(blocks, first):
             chunk = data[offset * step : (offset + 1) * step]
+            if keys is not None:
+                chunk += keys.suffix(key_base + offset)
             state = copy_start()
             state.update(digest + chunk)
             digest = state.digest()
@@ -178,8 +201,9 @@ class RadixTree:
         device. Returns the number of nodes."""
         seen = 0
         bs = self.block_size
-        for adapter_id, root in self.roots.items():
-            if root.hash != root_hash(adapter_id) or root.block != -1:
+        for root_key, root in self.roots.items():
+            adapter_id = root_adapter(root_key)
+            if root.hash != root_hash_of(root_key) or root.block != -1:
                 raise KvCacheError(f"root of adapter {adapter_id} is corrupt")
             stack = [root]
             while stack:
@@ -188,7 +212,7 @@ class RadixTree:
                     raise KvCacheError(f"prefix tree node of block {parent.block} miscounts its device children")
                 for key, node in parent.children.items():
                     seen += 1
-                    if node.parent is not parent or node.key != key or len(key) != 8 * bs:
+                    if node.parent is not parent or node.key != key or not key_fits(key, bs):
                         raise KvCacheError(f"prefix tree node for block {node.block} is misplaced")
                     if node.adapter_id != adapter_id:
                         raise KvCacheError(f"block {node.block} sits under adapter {adapter_id}'s root")
@@ -205,3 +229,25 @@ class RadixTree:
                             raise RefCountError(f"cached block {node.block} has count 0")
                     stack.append(node)
         return seen
+
+
+def root_hash_of(root_key: object) -> int:
+    """The hash of the root of `root_key`: `root_hash(adapter_id)`, or the salted root's."""
+    if type(root_key) is int:
+        return root_hash(root_key)
+    return salted_root_hash(*root_key)  # type: ignore[misc]
+
+
+def key_fits(key: bytes, block_size: int) -> bool:
+    """True for a block key: `block_size` int64 tokens, optionally followed by extra keys."""
+    step = 8 * block_size
+    return len(key) == step or (len(key) > step and key[step : step + len(EXTRA_MARK)] == EXTRA_MARK)
+
+
+def is_keyed(node: Node, block_size: int) -> bool:
+    """True when `node`'s chain carries an extra key or a salt (O(depth))."""
+    while node.parent is not None:
+        if len(node.key) != 8 * block_size:
+            return True
+        node = node.parent
+    return bool(node.key)  # a salted root keeps its salt as its key

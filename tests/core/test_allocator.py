@@ -150,10 +150,13 @@ def test_a_duplicated_table_may_not_take_a_cached_block_to_zero():
 
 def test_return_evicted_block_of_a_block_the_prefix_cache_does_not_hold_raises():
     cache = make_cache()
+    seed = cache.alloc_block()
+    cache.return_evicted_block(seed)  # no prefix cache attached: the seed contract, one decrement
+    assert cache.ref_count(seed) == 0
     block = cache.alloc_block()
+    prefix = PrefixCache(cache)
     with pytest.raises(RefCountError, match=f"return_evicted_block of block {block}, which no attached prefix cache holds"):
         cache.return_evicted_block(block)
-    prefix = PrefixCache(cache)
     with pytest.raises(RefCountError, match="which no attached prefix cache holds"):
         cache.return_evicted_block(block)
     assert cache.ref_count(block) == 1
