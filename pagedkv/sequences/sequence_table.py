@@ -29,6 +29,7 @@ from ..core.streams import stream_handle
 from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
+from .batch import KeptBatch
 from .exports import ExportBuffers, Exported, PageTable, SequenceExports
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
@@ -56,7 +57,8 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 
 class _Seq:
     __slots__ = (
-        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room"
+        "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
+        "row",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -69,6 +71,7 @@ class _Seq:
         self.step_start = step_start  # first position written by the latest add/append
         self.maybe_shared = False  # set by fork: the partly filled last block may be shared
         self.room = -1  # tokens `append` may reach without growing; -1 sends it to _grow
+        self.row = -1  # row in the table's persistent batch (KeptBatch)
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks or `maybe_shared` changed."""
@@ -117,6 +120,7 @@ class SequenceTable(SequenceExports):
         self._seqs: dict[Hashable, _Seq] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._exports = ExportBuffers(gpu, stream)
+        self._batch = KeptBatch()  # rows of the live sequences and the arrays exports are cut from
         self._reuse = PrefixReuse(prefix_cache, gpu, stream) if prefix_cache is not None else None
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
         self._guard_token = self._guard.token  # the guard's claim list, for append's inline claim
@@ -188,6 +192,7 @@ class SequenceTable(SequenceExports):
         matched += hosted * self._bs
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         seq.settle(self._bs)
+        self._batch.add(seq_id, seq)
         return matched
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
@@ -310,6 +315,7 @@ class SequenceTable(SequenceExports):
                     cache.free_block(block)
                     raise
             seq.blocks.append(block)
+            self._batch.block_appended(seq)
             seq.num_tokens, seq.step_start = total, old
             seq.room = (have + 1) * bs
             return
@@ -334,11 +340,14 @@ class SequenceTable(SequenceExports):
         seq.blocks.extend(fresh[copy:])
         if n_tokens:
             seq.maybe_shared = False
+        released = None
         if self._window is not None and len(seq.blocks) > self._window:
             extra = len(seq.blocks) - self._window
             released, seq.blocks[:extra] = seq.blocks[:extra], []
             seq.dropped += extra
             seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
+        self._batch.rewrite(seq)
+        if released is not None:
             cache.free_blocks(released)
         seq.num_tokens = total
         seq.step_start = old
@@ -359,6 +368,7 @@ class SequenceTable(SequenceExports):
         parent.settle(self._bs)
         child.settle(self._bs)
         self._seqs[dst] = child
+        self._batch.add(dst, child)
 
     @guarded
     def free(self, seq_id: Hashable) -> None:
@@ -368,6 +378,7 @@ class SequenceTable(SequenceExports):
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
+        self._batch.remove(seq)
         try:
             if self._reuse is not None:
                 self._reuse.offer(seq, self._bs)
