@@ -133,6 +133,7 @@ class PrefixCache:
         self._events = EventQueue(on_event, self._guard)
         self._tree = RadixTree(self._block_size)
         self._by_block = self._tree.by_block  # the same dict: the hot paths read it directly
+        self._cached_view = self._by_block.keys()  # a live view: `in` without a call
         self._policy = LruEviction(self._tree, cache.ref_count)
         self._counters = PrefixCounters()
         self._tiering: HostTiering | None = None
@@ -501,6 +502,13 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         """True when `block` is in the cache."""
         return block in self._by_block
+
+    @property
+    def cached_index(self):
+        """The blocks the cache holds, as a read-only view (`block in index`), the same
+        object for the cache's life: what the allocator's free paths test instead of
+        calling `is_cached` per block."""
+        return self._cached_view
 
     def block_hash(self, block: int) -> int:
         """The chained content hash of a cached block; KeyError when it is not cached."""
