@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
-from ..core.log import get_logger
+from ..core.log import debug_enabled, get_logger
 from ..core.streams import stream_handle
-from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
+from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids, token_ids_and_bytes
 from ..errors import KvCacheError, RefCountError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
 from .eviction import Chosen, LruEviction
@@ -299,24 +299,27 @@ class PrefixCache:
         KvCacheError on a closed cache."""
         self._check_open("insert")
         adapter_id = adapter_id_checked(adapter_id)
-        tokens = token_ids(tokens, "tokens")
+        tokens, packed = token_ids_and_bytes(tokens, "tokens", copy=False)  # checked and packed once; not kept
         blocks = block_list(blocks, self._cache.num_blocks(), "blocks")  # names a bad entry
         bs = self._block_size
         n_full = len(tokens) // bs
         if not n_full <= len(blocks) <= -(-len(tokens) // bs):
             raise ValueError(f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given")
-        return self._insert_checked(tokens, blocks, n_full, adapter_id, False)
+        return self._insert_checked(tokens, blocks, n_full, adapter_id, False, packed)
 
-    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool) -> int:
+    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool,
+                        packed: bytes | None = None) -> int:
         """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
         With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
-        already cached under the current node is followed without comparing its tokens."""
+        already cached under the current node is followed without comparing its tokens.
+        `packed`: the tokens' int64 bytes when the caller has them (else packed here, the
+        new part only)."""
         tiering = self._check_tier()
         bs, tree = self._block_size, self._tree
         root = tree.roots.get(adapter_id)
-        node, path, data, base = root, [], None, 0
+        node, path, data, base = root, [], packed, 0
         if root is not None:
-            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block)
+            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, packed)
         first_new = len(path)
         path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
         adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks
@@ -376,10 +379,8 @@ class PrefixCache:
             blocks = tiering.demote(chosen)
             self._counters.evictions += len(blocks)
             return blocks
-        blocks, hashes = [], []
-        for _, node in chosen:
-            blocks.append(node.block)
-            hashes.append(node.hash)
+        blocks = [node.block for _, node in chosen]
+        hashes = [node.hash for _, node in chosen] if self._events.consumer is not None else None
         for block in blocks:
             self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
         remove = self._tree.remove_leaf
@@ -387,8 +388,9 @@ class PrefixCache:
             remove(node)
         self._counters.evictions += len(blocks)
         if blocks:
-            _log.debug("prefix_cache_evicted", blocks=len(blocks))
-            if self._events.consumer is not None:
+            if debug_enabled():
+                _log.debug("prefix_cache_evicted", blocks=len(blocks))
+            if hashes is not None:
                 self._events.emit(BlockRemoved(block_hashes=tuple(hashes), block_ids=tuple(blocks)))
         return blocks
 

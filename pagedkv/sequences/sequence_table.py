@@ -26,7 +26,7 @@ from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int, token_ids_and_bytes
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from .batch import KeptBatch
@@ -149,12 +149,7 @@ class SequenceTable(SequenceExports):
         it was."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
-        if data is None:  # not a list of plain ints in range: convert, or raise naming the entry
-            tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
-            data = int64_bytes_of_ids(tokens)
-        else:
-            tokens = list(prompt_tokens)
+        tokens, data = token_ids_and_bytes(prompt_tokens, "prompt_tokens")  # raises naming a bad entry
         n = len(tokens)
         needed = -(-n // self._bs)
         if self._window is not None and needed > self._window:
