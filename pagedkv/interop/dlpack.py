@@ -172,6 +172,7 @@ def _alone_count() -> int:
 
 
 _getrefcount = sys.getrefcount
+_addressof = ctypes.addressof
 _ALONE = _alone_count()
 _sweep_at = 64
 
@@ -220,10 +221,7 @@ def _new_capsule(address: int, managed, keep, name: bytes):
     what it points into); sweeps dead records now and then (amortised O(1))."""
     if len(_LIVE) >= _sweep_at:
         _sweep()
-    try:
-        capsule = _capsule_new(address, name, None)
-    except BaseException:
-        raise
+    capsule = _capsule_new(address, name, None)
     _LIVE[address] = (managed, keep, capsule, name)
     return capsule
 
@@ -286,7 +284,12 @@ class CapsuleTemplate:
     def make(self):
         """A new capsule of the prepared tensor."""
         managed = self._buffer.from_buffer_copy(self._raw)
-        return _new_capsule(ctypes.addressof(managed), managed, self._keep, self._name)
+        address = _addressof(managed)
+        if len(_LIVE) >= _sweep_at:
+            _sweep()
+        capsule = _capsule_new(address, self._name, None)
+        _LIVE[address] = (managed, self._keep, capsule, self._name)
+        return capsule
 
 
 # -- the producer protocol -----------------------------------------------------------------

@@ -35,7 +35,7 @@ class KeptBatch:
     writable `row` slot; the owner calls `add`/`remove` as sequences start and end and
     `block_appended`/`rewrite` after it changed a record's blocks or `dropped`."""
 
-    __slots__ = ("seqs", "ids", "table", "lens", "dropped", "lo", "hi", "dev_width", "dev_rows")
+    __slots__ = ("seqs", "ids", "table", "lens", "dropped", "windowed", "arange", "lo", "hi", "dev_width", "dev_rows")
 
     def __init__(self) -> None:
         self.seqs: list[Any] = []  # row -> record
@@ -43,6 +43,8 @@ class KeptBatch:
         self.table = np.full((16, 16), -1, dtype=np.int32)
         self.lens = np.zeros(16, dtype=np.int32)
         self.dropped = np.zeros(16, dtype=np.int64)
+        self.windowed = False  # True once any row had a block released by the window
+        self.arange = np.arange(16, dtype=np.intp)
         self.lo, self.hi = _NO_ROWS, 0  # rows changed since the last device upload
         self.dev_width = -1  # width of the batch table on the device; -1: the buffer holds something else
         self.dev_rows = 0  # rows of it the device holds
@@ -85,6 +87,8 @@ class KeptBatch:
         self.table[row, : len(blocks)] = blocks
         self.lens[row] = len(blocks)
         self.dropped[row] = seq.dropped
+        if seq.dropped:
+            self.windowed = True
         self._touch(row)
 
     def remove(self, seq: Any) -> None:
@@ -128,7 +132,15 @@ class KeptBatch:
             self.table[row, n:old] = -1
         self.lens[row] = n
         self.dropped[row] = seq.dropped
+        if seq.dropped:
+            self.windowed = True
         self._touch(row)
+
+    def _all_rows(self, n: int) -> np.ndarray:
+        """0..n-1 as intp (a kept array, sliced)."""
+        if self.arange.size < n:
+            self.arange = np.arange(max(n, 2 * self.arange.size), dtype=np.intp)
+        return self.arange[:n]
 
     def uploaded(self, width: int, rows: int) -> None:
         """The device now holds the first `rows` rows of the batch's table at `width`."""
@@ -172,7 +184,7 @@ class KeptBatch:
         ends = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
         counts = ends - starts
         if rows is None:
-            rows = np.arange(n, dtype=np.intp)
+            rows = self._all_rows(n)
         total = int(counts.sum())
         if total == n and (n == 0 or int(counts.min()) == 1):  # a decode step: one position each
             row_of, positions = rows, starts
@@ -180,7 +192,9 @@ class KeptBatch:
             row_of = np.repeat(rows, counts)
             first = np.repeat(np.cumsum(counts) - counts, counts)
             positions = np.arange(total, dtype=np.int64) - first + np.repeat(starts, counts)
-        column = positions // bs - self.dropped[row_of]
+        column = positions // bs
+        if self.windowed:
+            column -= self.dropped[row_of]
         slots = self.table[row_of, column].astype(np.int64) * bs + positions % bs
         if pad_to is not None:
             if pad_to < total:
