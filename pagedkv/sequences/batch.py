@@ -24,6 +24,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from ..errors import KvCacheError
 from .exports import PageTable
 
 _NO_ROWS = 1 << 62
@@ -146,6 +147,21 @@ class KeptBatch:
         """The device now holds the first `rows` rows of the batch's table at `width`."""
         self.dev_width, self.dev_rows = width, rows
         self.lo, self.hi = _NO_ROWS, 0
+
+    def check(self, live: dict) -> None:
+        """KvCacheError unless the rows are exactly the live sequences (`live`: id -> record)
+        and every kept array equals a rebuild from the records."""
+        n = len(self.seqs)
+        if n != len(live) or len(self.ids) != n or any(live.get(i) is not s for i, s in zip(self.ids, self.seqs)):
+            raise KvCacheError(f"the persistent batch holds {n} rows for {len(live)} live sequences")
+        for row, seq in enumerate(self.seqs):
+            k = len(seq.blocks)
+            if seq.row != row or int(self.lens[row]) != k or int(self.dropped[row]) != seq.dropped:
+                raise KvCacheError(f"row {row} of the persistent batch is out of date")
+            if self.table[row, :k].tolist() != seq.blocks or (self.table[row, k:] != -1).any():
+                raise KvCacheError(f"row {row} of the kept block table differs from its sequence's blocks")
+        if (self.table[n:] != -1).any() or self.lens[n:].any():
+            raise KvCacheError("the kept block table holds blocks past its last row")
 
     # -- exports -------------------------------------------------------------------------
 

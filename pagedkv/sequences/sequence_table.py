@@ -451,9 +451,10 @@ class SequenceTable(SequenceExports):
 
     @guarded
     def check_invariants(self) -> None:
-        """Check the cache's invariants, the prefix cache's, and that every block's count
+        """Check the cache's invariants, the prefix cache's, that every block's count
         equals the references this table and its prefix cache hold (assumes they are the
-        cache's only users). O(num_blocks + held blocks)."""
+        cache's only users), and that the persistent batch's kept arrays equal a rebuild
+        from the sequences. O(num_blocks + held blocks)."""
         held = self.block_references()
         if self._prefix is not None:
             self._prefix.check_invariants()
@@ -469,6 +470,7 @@ class SequenceTable(SequenceExports):
         for block, owners in partial_owners.items():
             if len(owners) > 1 and not all(seq.maybe_shared for seq in owners):
                 raise KvCacheError(f"partly filled block {block} is shared without copy-on-write pending")
+        self._batch.check(self._seqs)
         self._cache.check_invariants(held)
 
     # -- release -----------------------------------------------------------------------
