@@ -114,13 +114,18 @@ class KeptBatch:
 
     def block_appended(self, seq: Any) -> None:
         """`seq.blocks` grew by one block at its end (nothing else changed)."""
-        row = seq.row
-        k = int(self.lens[row])
-        if k >= self.table.shape[1]:
-            self._reserve(len(self.seqs), k + 1)
-        self.table[row, k] = seq.blocks[-1]
-        self.lens[row] = k + 1
-        self._touch(row)
+        row, blocks = seq.row, seq.blocks
+        k = len(blocks)  # (the kept length is k - 1: the records and the rows agree)
+        table = self.table
+        if k > table.shape[1]:
+            self._reserve(len(self.seqs), k)
+            table = self.table
+        table[row, k - 1] = blocks[-1]
+        self.lens[row] = k
+        if row < self.lo:
+            self.lo = row
+        if row >= self.hi:
+            self.hi = row + 1
 
     def rewrite(self, seq: Any) -> None:
         """Write `seq`'s row again from its record (after any change of its blocks or `dropped`)."""
