@@ -184,7 +184,7 @@ def _sweep() -> None:
     under its own name (a consumer renames what it takes, "used_dltensor"), is dead."""
     global _sweep_at
     dead = [
-        address for address, record in _LIVE.items()
+        address for address, record in list(_LIVE.items())  # a snapshot: a deleter may run on another thread
         if _getrefcount(record[2]) <= _ALONE and _capsule_valid(record[2], record[3])
     ]
     for address in dead:
