@@ -245,8 +245,12 @@ class PoolView(_MemoryExport):
 
     def _template(self, versioned: bool, minor: int) -> CapsuleTemplate:
         """The prepared export, kept per capsule kind while the pool stays where it is
-        (a released cache raises in `_address`, before any kept export is used)."""
+        (a released cache raises in `_address`, before any kept export is used). An
+        elastic cache's is made afresh each time: its mapping (checked by the backend's
+        view of the whole extent) may change between exports."""
         address = int(self._address())
+        if self._cache.is_elastic():
+            return prepared_export(self._tensor_spec(), versioned, minor)
         kept = self._templates.get((versioned, minor))
         if kept is None or kept[0] != address:
             kept = (address, prepared_export(self._tensor_spec(), versioned, minor))

@@ -93,3 +93,16 @@ def test_torch_takes_a_kept_view_zero_copy(gpu):
     assert dlpack.live_exports() == before + 3
     del tensors
     assert dlpack.live_exports() == before
+
+
+def test_an_elastic_pool_is_checked_resident_at_every_export(gpu):
+    from pagedkv import DeviceMemoryError
+
+    config = KvCacheConfig(block_size=16, num_kv_heads=1, head_dim=32, num_layers=1, dtype="nvfp4")
+    cache = PagedKvCache(config, 64, gpu, elastic=True)
+    cache.reserve(64, gpu)
+    view = cache.k_view(0, gpu)
+    assert np.from_dlpack(view).shape[0] == 64
+    cache.shrink(gpu)  # nothing is held: the chunks are unmapped again
+    with pytest.raises(DeviceMemoryError, match="touches the unmapped chunk"):
+        np.from_dlpack(view)  # not a kept export made while the pool was resident
