@@ -4,7 +4,7 @@ and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GP
 
 Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
 bench_kv.py, bench_quality.py, bench_elastic.py, bench_transfer.py, bench_tier.py, bench_disk.py,
-bench_step.py, bench_model.py, bench_drafting.py, bench_events.py); each exposes
+bench_step.py, bench_engine.py, bench_model.py, bench_drafting.py, bench_events.py); each exposes
 `run(args) -> None` and prints its own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
@@ -37,6 +37,7 @@ SECTIONS = {
     "transfer": ("bench_transfer", False),
     "disk": ("bench_disk", False),
     "step": ("bench_step", False),
+    "engine": ("bench_engine", False),
     "model": ("bench_model", False),
     "drafting": ("bench_drafting", False),
     "events": ("bench_events", False),

@@ -75,6 +75,7 @@ class PagedKvCache(CacheGeometry):
         env = flags()
         self._config = config
         self._pools = KvPools(config, num_blocks, gpu, elastic=elastic)
+        self._views: dict[tuple, object] = {}  # kept pool views (k_view / v_view)
         self._elastic = elastic is True
         self._nonfinite = None
         if kv_device.has_kv_kernels(gpu):
@@ -452,16 +453,34 @@ class PagedKvCache(CacheGeometry):
         diagnostics.per_block(self._pools, layer, blocks, gpu, stream, tag)
 
     def k_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
-        """`layer`'s K pool as a zero-copy DLPack tensor on `gpu` (work on `stream`); see `pagedkv.views`."""
-        from ..interop.views import PoolView
-
-        return PoolView(self, layer, "K", gpu, stream, readonly)
+        """`layer`'s K pool as a zero-copy DLPack tensor on `gpu` (work on `stream`); see
+        `pagedkv.views`. Kept: the same (layer, gpu, stream, readonly) gives the same view
+        object (its prepared export too) for the cache's life."""
+        return self._view(layer, "K", gpu, stream, readonly)
 
     def v_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
-        """`layer`'s V pool as a zero-copy DLPack tensor (the K view under `v_aliases_k`)."""
+        """`layer`'s V pool as a zero-copy DLPack tensor (the K view under `v_aliases_k`);
+        kept like `k_view`."""
+        return self._view(layer, "V", gpu, stream, readonly)
+
+    def _view(self, layer, side: str, gpu, stream, readonly):
+        """The kept view of (side, layer, gpu, stream, readonly), made on first use. Only
+        exact ints, bools and hashable stream objects are keys (True is not layer 1)."""
+        key = None
+        if type(layer) is int and type(readonly) is bool and type(stream) not in (bool, float):
+            key = (side, layer, id(gpu), stream, readonly)
+            try:
+                kept = self._views.get(key)
+            except TypeError:  # an unhashable stream object: a fresh view each time
+                kept, key = None, None
+            if kept is not None and kept._gpu is gpu:  # (a kept view holds its gpu: its id stays unique)
+                return kept
         from ..interop.views import PoolView
 
-        return PoolView(self, layer, "V", gpu, stream, readonly)
+        view = PoolView(self, layer, side, gpu, stream, readonly)
+        if key is not None:
+            self._views[key] = view
+        return view
 
 
 def _as_bytes(data) -> np.ndarray:

@@ -39,7 +39,9 @@ class BlockReclaimer(Protocol):
         ...
 
     def is_cached(self, block: int) -> bool:
-        """True when the reclaimer holds `block` (its own reference is among the count)."""
+        """True when the reclaimer holds `block` (its own reference is among the count).
+        A reclaimer may also offer `cached_index`: a container of the blocks it holds, the
+        same object for its life, that the free paths test with `in` instead of a call."""
         ...
 
     def deliver_events(self) -> None:
@@ -59,6 +61,7 @@ class BlockAllocator:
         self._tracer: BlockTracer | None = BlockTracer() if trace else None
         self._reclaimer: BlockReclaimer | None = None
         self._watched = self._tracer is not None  # a reclaimer or a tracer: dec_ref's slower path
+        self._index = None  # the reclaimer's `cached_index` (a container of its blocks) when untraced
         self._released = False
 
     # -- validation -------------------------------------------------------------------
@@ -247,7 +250,11 @@ class BlockAllocator:
             raise self._block_error(block) from None
         if count == 1:
             if self._watched:
-                self._freeing_watched(block)
+                index = self._index
+                if index is None:
+                    self._freeing_watched(block)
+                elif block in index:  # (no call: the reclaimer's own container)
+                    raise self._cached_error(block)
             refs[block] = 0
             self._free.append(block)
             return True
@@ -312,6 +319,13 @@ class BlockAllocator:
                 if reclaimer is None:
                     for block in reversed(blocks):
                         if type(block) is not int or block < 0 or refs[block] != 1:
+                            break
+                        refs[block] = 0
+                        done += 1
+                elif self._index is not None:
+                    index = self._index
+                    for block in reversed(blocks):
+                        if type(block) is not int or block < 0 or refs[block] != 1 or block in index:
                             break
                         refs[block] = 0
                         done += 1
@@ -445,12 +459,15 @@ class BlockAllocator:
             raise KvCacheError("this cache already has a prefix cache attached")
         self._reclaimer = reclaimer
         self._watched = True
+        index = getattr(reclaimer, "cached_index", None)
+        self._index = index if self._tracer is None and hasattr(index, "__contains__") else None
 
     def detach_reclaimer(self, reclaimer: BlockReclaimer) -> None:
         """Undo `attach_reclaimer` (a no-op for one that is not attached)."""
         if self._reclaimer is reclaimer:
             self._reclaimer = None
             self._watched = self._tracer is not None
+            self._index = None
 
     def reclaimer(self) -> BlockReclaimer | None:
         """The attached reclaimer, or None."""

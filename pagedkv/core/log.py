@@ -80,6 +80,23 @@ def _own_logger(name: str):
     return logger
 
 
+def debug_enabled() -> bool:
+    """Whether a debug event could be kept now: pagedkv's own threshold when the
+    application has not configured structlog, else its wrapper class's level when that is
+    a filtering logger (`make_filtering_bound_logger`), else True. Hot paths ask this
+    before building a debug event's fields."""
+    if not structlog.is_configured():
+        return _state["level"] <= logging.DEBUG
+    wrapper = structlog.get_config().get("wrapper_class")
+    enabled = getattr(wrapper, "is_enabled_for", None)
+    if enabled is None:
+        return True
+    try:
+        return bool(enabled(None, logging.DEBUG))  # (the filtering classes ignore `self`)
+    except Exception:  # noqa: BLE001 - another wrapper: keep the event
+        return True
+
+
 class PagedKvLogger:
     """A pagedkv module's logger: `debug/info/warning/error/exception/critical(event, **fields)`
     send one structlog event, routed as the module docstring says."""

@@ -68,6 +68,25 @@ def token_ids(values: object, what: str = "tokens") -> list[int]:
     return checked_token_ids(list(values) if type(values) is tuple else _token_sequence(values, what), what)
 
 
+def token_ids_and_bytes(values: object, what: str = "tokens", copy: bool = True) -> tuple[list[int], bytes]:
+    """`token_ids(values, what)` and their int64 little-endian bytes, in one pass: a 1-D
+    integer numpy array is checked vectorised (one min and max, not an entry at a time),
+    a list of plain ints at C speed (returned itself with `copy=False`, for a caller that
+    keeps nothing); anything else, or a bad entry, goes through `token_ids`, which raises
+    naming it."""
+    if type(values) is list:
+        data = int64_bytes_of_ids(values)
+        if data is not None:
+            return (list(values) if copy else values), data
+    elif isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        if values.size == 0:
+            return [], b""
+        if int(values.min()) >= 0 and int(values.max()) <= MAX_TOKEN_ID:
+            return values.tolist(), values.astype("<i8", copy=False).tobytes()
+    tokens = token_ids(values, what)
+    return tokens, int64_bytes_of_ids(tokens)  # type: ignore[return-value] - valid ids always pack
+
+
 def checked_token_ids(values: list, what: str) -> list[int]:
     """`token_ids` of a list, returning `values` itself when every entry already is a
     Python int in range (checked at C speed), else a corrected new list or the error."""

@@ -7,15 +7,18 @@ can describe itself as a `TensorSpec`. A consumer passing `max_version >= (1, 0)
 the legacy `dltensor` capsule. Strides are always filled, in elements. Dtypes use the real
 codes: uint8, int32, int64, bfloat16 (kDLBfloat, code 4) and float8_e4m3fn (code 10).
 
-Lifetime: each capsule owns one heap record holding the struct, its shape and strides and
-a reference to the memory's owner. The consumer's call of the deleter drops the record;
-a capsule that is never consumed drops it in its own destructor.
+Lifetime: each capsule has one record holding the struct, its shape and strides, a
+reference to the memory's owner and the capsule. The consumer's call of the deleter drops
+the record; the record of a capsule that was never consumed is dropped once nothing else
+holds the capsule (swept as capsules are made, and by `live_exports`). Capsules carry no
+destructor: a consumer that refuses one (numpy, for bfloat16) drops it with its own
+exception set, which a Python destructor would turn into a SystemError.
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +49,7 @@ DTYPE_CODES = {
     "int32": (0, 32),
     "int64": (0, 64),
     "uint8": (1, 8),
+    "uint16": (1, 16),
     "bfloat16": (4, 16),
     "float8_e4m3fn": (10, 8),
 }
@@ -142,25 +146,55 @@ class TensorSpec:
 
 _LEGACY_NAME = b"dltensor"
 _VERSIONED_NAME = b"dltensor_versioned"
-_Destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 # Own function objects: `ctypes.pythonapi.X` is shared, and other code may reset its argtypes.
-_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, _Destructor)(
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
     ("PyCapsule_New", ctypes.pythonapi)
-)
+)  # no destructor: see _sweep
 _capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
     ("PyCapsule_IsValid", ctypes.pythonapi)
 )
+_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)  # (of a capsule object)
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", ctypes.pythonapi)
 )
 
-_LIVE: dict[int, tuple] = {}  # managed-tensor address -> (struct, shape, strides, owner)
-_IDS = itertools.count(1)
+_LIVE: dict[int, tuple] = {}  # managed-tensor address -> (struct, what it points into, capsule, capsule name)
+
+
+def _alone_count() -> int:
+    """What `sys.getrefcount` reports, in `_sweep`'s expression, for an object held only by
+    its `_LIVE`-style record (measured, not assumed)."""
+    probe: dict[int, tuple] = {0: (None, None, object(), b"")}
+    return min(_getrefcount(record[2]) for record in probe.values())
+
+
+_getrefcount = sys.getrefcount
+_addressof = ctypes.addressof
+_ALONE = _alone_count()
+_sweep_at = 64
+
+
+def _sweep() -> None:
+    """Drop the records of capsules that nobody holds and no consumer took: a capsule has no
+    destructor (a Python one would run with a refusing consumer's exception set, and lose
+    it), so each record holds its capsule, and a record whose capsule only it holds, still
+    under its own name (a consumer renames what it takes, "used_dltensor"), is dead."""
+    global _sweep_at
+    dead = [
+        address for address, record in list(_LIVE.items())  # a snapshot: a deleter may run on another thread
+        if _getrefcount(record[2]) <= _ALONE and _capsule_valid(record[2], record[3])
+    ]
+    for address in dead:
+        _LIVE.pop(address, None)
+    _sweep_at = max(64, 2 * len(_LIVE))
 
 
 def live_exports() -> int:
     """How many exported tensors are still held by a consumer or an unconsumed capsule."""
+    _sweep()
     return len(_LIVE)
 
 
@@ -169,9 +203,9 @@ def _release(address: int) -> None:
 
 
 def _forever(thunk):
-    """Keep a C callback's thunk alive for the life of the process: capsules and consumers
-    call it by its raw address, possibly while the interpreter tears this module down at
-    exit (a freed thunk there is a segfault)."""
+    """Keep a C callback's thunk alive for the life of the process: consumers call it by
+    its raw address, possibly while the interpreter tears this module down at exit (a freed
+    thunk there is a segfault)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
     return thunk
 
@@ -182,16 +216,31 @@ def _deleter(address, _live=_LIVE):  # the consumer is done with the tensor
     _live.pop(address, None)  # defaults, not globals: at exit the module's globals may be gone
 
 
-@_forever
-@_Destructor
-def _destructor(capsule, _names=(_LEGACY_NAME, _VERSIONED_NAME), _valid=_capsule_is_valid,
-                _pointer=_capsule_pointer, _live=_LIVE):  # a capsule dies; unconsumed ones still own their tensor
-    try:
-        for name in _names:
-            if _valid(capsule, name):
-                _live.pop(_pointer(capsule, name), None)
-    except BaseException:  # noqa: BLE001 - a destructor has no caller to raise to
-        pass
+def _new_capsule(address: int, managed, keep, name: bytes):
+    """The capsule of the managed tensor at `address`, recorded in `_LIVE` (with `keep`,
+    what it points into); sweeps dead records now and then (amortised O(1))."""
+    if len(_LIVE) >= _sweep_at:
+        _sweep()
+    capsule = _capsule_new(address, name, None)
+    _LIVE[address] = (managed, keep, capsule, name)
+    return capsule
+
+
+def _fill(managed, spec: TensorSpec, shape, strides, versioned: bool, copied: bool, minor: int) -> None:
+    """Write `spec` into the managed-tensor struct `managed` (shape and strides arrays given)."""
+    tensor = managed.dl_tensor
+    tensor.data = spec.data
+    tensor.device = DLDevice(*spec.device)
+    tensor.ndim = len(spec.shape)
+    code, bits = DTYPE_CODES[spec.dtype]
+    tensor.dtype = DLDataType(code, bits, 1)
+    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    tensor.byte_offset = spec.byte_offset
+    managed.deleter = _deleter
+    if versioned:
+        managed.version = DLPackVersion(DLPACK_VERSION[0], minor)
+        managed.flags = (FLAG_READ_ONLY if spec.readonly else 0) | (FLAG_IS_COPIED if copied else 0)
 
 
 def make_capsule(spec: TensorSpec, versioned: bool, copied: bool = False, minor: int = DLPACK_VERSION[1]):
@@ -205,27 +254,42 @@ def make_capsule(spec: TensorSpec, versioned: bool, copied: bool = False, minor:
     shape = (ctypes.c_int64 * max(ndim, 1))(*spec.shape)
     strides = (ctypes.c_int64 * max(ndim, 1))(*spec.strides)
     managed = DLManagedTensorVersioned() if versioned else DLManagedTensor()
-    tensor = managed.dl_tensor
-    tensor.data = spec.data
-    tensor.device = DLDevice(*spec.device)
-    tensor.ndim = ndim
-    code, bits = DTYPE_CODES[spec.dtype]
-    tensor.dtype = DLDataType(code, bits, 1)
-    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
-    tensor.byte_offset = spec.byte_offset
-    managed.manager_ctx = next(_IDS)
-    managed.deleter = _deleter
-    if versioned:
-        managed.version = DLPackVersion(DLPACK_VERSION[0], minor)
-        managed.flags = (FLAG_READ_ONLY if spec.readonly else 0) | (FLAG_IS_COPIED if copied else 0)
-    address = ctypes.addressof(managed)
-    _LIVE[address] = (managed, shape, strides, spec.owner)
-    try:
-        return _capsule_new(address, _VERSIONED_NAME if versioned else _LEGACY_NAME, _destructor)
-    except BaseException:
-        _release(address)
-        raise
+    _fill(managed, spec, shape, strides, versioned, copied, minor)
+    return _new_capsule(ctypes.addressof(managed), managed, (shape, strides, spec.owner),
+                        _VERSIONED_NAME if versioned else _LEGACY_NAME)
+
+
+class CapsuleTemplate:
+    """A prepared export of one `TensorSpec`: the managed-tensor struct built once (its
+    shape, strides, data pointer and deleter filled), so each capsule costs one copy of
+    its bytes and the capsule itself. `make()` gives a fresh capsule, owning its own copy
+    of the struct, exactly as `make_capsule(spec, versioned, False, minor)` would."""
+
+    __slots__ = ("_raw", "_buffer", "_keep", "_name", "spec")
+
+    def __init__(self, spec: TensorSpec, versioned: bool, minor: int = DLPACK_VERSION[1]):
+        if spec.dtype not in DTYPE_CODES:
+            raise BufferError(f"dtype {spec.dtype!r} has no DLPack code here; known: {', '.join(DTYPE_CODES)}")
+        ndim = len(spec.shape)
+        shape = (ctypes.c_int64 * max(ndim, 1))(*spec.shape)
+        strides = (ctypes.c_int64 * max(ndim, 1))(*spec.strides)
+        managed = DLManagedTensorVersioned() if versioned else DLManagedTensor()
+        _fill(managed, spec, shape, strides, versioned, False, minor)
+        self._raw = ctypes.string_at(ctypes.addressof(managed), ctypes.sizeof(managed))
+        self._buffer = ctypes.c_char * len(self._raw)
+        self._keep = (shape, strides, spec.owner)  # shared by every capsule made
+        self._name = _VERSIONED_NAME if versioned else _LEGACY_NAME
+        self.spec = spec
+
+    def make(self):
+        """A new capsule of the prepared tensor."""
+        managed = self._buffer.from_buffer_copy(self._raw)
+        address = _addressof(managed)
+        if len(_LIVE) >= _sweep_at:
+            _sweep()
+        capsule = _capsule_new(address, self._name, None)
+        _LIVE[address] = (managed, self._keep, capsule, self._name)
+        return capsule
 
 
 # -- the producer protocol -----------------------------------------------------------------
@@ -245,12 +309,27 @@ def _wants_versioned(max_version: object) -> tuple[bool, int]:
     return True, DLPACK_VERSION[1] if major > 1 else min(minor, DLPACK_VERSION[1])
 
 
+_VERSIONS = {None: (False, 0), (1, 0): (True, 0), (1, 1): (True, 1), (1, 2): (True, 1), (2, 0): (True, 1)}
+"""`_wants_versioned` of the usual `max_version` values."""
+
+
 def _device_pair(dl_device: object) -> tuple[int, int]:
     try:
         kind, ordinal = dl_device  # type: ignore[misc]
         return int(kind), int(ordinal)
     except (TypeError, ValueError):
         raise ValueError(f"dl_device must be a (device_type, device_id) pair, got {dl_device!r}") from None
+
+
+def prepared_export(spec: TensorSpec, versioned: bool, minor: int) -> CapsuleTemplate:
+    """`CapsuleTemplate(spec, versioned, minor)`, refusing (BufferError) a read-only spec
+    in a legacy capsule, which cannot say read-only."""
+    if spec.readonly and not versioned:
+        raise BufferError(
+            "this view is read-only and a legacy DLPack capsule cannot say so: "
+            "consume it with max_version=(1, 0) or newer"
+        )
+    return CapsuleTemplate(spec, versioned, minor)
 
 
 class DlpackProducer:
@@ -287,6 +366,13 @@ class DlpackProducer:
         `dl_device`: the device the consumer wants; `(1, 0)` on a CUDA view copies to the
         host (BufferError with `copy=False`); any other device raises BufferError.
         `copy=True` exports a fresh host copy (flagged is-copied), `False` never copies."""
+        if copy is None and dl_device is None and stream is None:  # the usual zero-copy request
+            try:
+                versioned, minor = _VERSIONS[max_version]
+            except (KeyError, TypeError):
+                versioned, minor = _wants_versioned(max_version)
+            if self._device()[0] != KDL_CUDA:  # a host export: no stream to order
+                return self._template(versioned, minor).make()
         if copy is not None and not isinstance(copy, bool):
             raise ValueError(f"copy must be None, True or False, got {copy!r}")
         versioned, minor = _wants_versioned(max_version)
@@ -304,15 +390,15 @@ class DlpackProducer:
         if copy:
             array, dtype = self._host_copy()
             return make_capsule(TensorSpec.of_host_array(array, dtype, readonly=False), versioned, True, minor)
-        spec = self._tensor_spec()
-        if spec.readonly and not versioned:
-            raise BufferError(
-                "this view is read-only and a legacy DLPack capsule cannot say so: "
-                "consume it with max_version=(1, 0) or newer"
-            )
+        template = self._template(versioned, minor)
         if consumer is not None:
             self._consumer_waits(consumer)
-        return make_capsule(spec, versioned, False, minor)
+        return template.make()
+
+    def _template(self, versioned: bool, minor: int) -> CapsuleTemplate:
+        """The prepared zero-copy export of `_tensor_spec()` (producers may keep it);
+        BufferError for a read-only one asked for as a legacy capsule."""
+        return prepared_export(self._tensor_spec(), versioned, minor)
 
     @staticmethod
     def _consumer_stream(stream: object, device: tuple[int, int]) -> int | None:

@@ -5,6 +5,8 @@ A `PoolView` describes one pool as a tensor, zero copy, for DLPack consumers (an
 
 - bf16 side: `(num_blocks, block_size, num_kv_heads, head_dim)` bfloat16 (NHD blocks);
 - fp8 side: the same shape in float8_e4m3fn (the per-tensor scale lives outside the cache);
+- `bits_view()`: the bf16 / fp8 tensor as uint16 / uint8 (numpy's `from_dlpack` has
+  neither dtype);
 - packed side (nvfp4, turbo*): uint8 `(num_blocks, side_block_bytes)`, with `data_view()`
   `(num_blocks, block_size, row_data_bytes)` and `scale_view()` `(num_blocks, block_size,
   groups_per_row * scale_bytes)` as strided views of the same memory (docs/FORMATS.md).
@@ -27,10 +29,11 @@ from ..backends.capabilities import BackendFeatureMissing, backend_supports, dev
 from ..backends.protocol import DevicePtr
 from ..core.dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
 from ..core.streams import stream_handle
-from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, DlpackProducer, TensorSpec
+from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, CapsuleTemplate, DlpackProducer, TensorSpec, prepared_export
 
 NUMPY_DTYPES = {
     "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -38,10 +41,11 @@ NUMPY_DTYPES = {
 }
 """The numpy (ml_dtypes) dtype of each DLPack dtype name a view can carry."""
 
-CAI_TYPESTRS = {"uint8": "|u1", "int32": "<i4", "int64": "<i8"}
+CAI_TYPESTRS = {"uint8": "|u1", "uint16": "<u2", "int32": "<i4", "int64": "<i8"}
 """`__cuda_array_interface__` typestrs; bfloat16 and float8_e4m3fn have none."""
 
 _ELEMENT_DTYPES = {KvCacheDtype.BF16: "bfloat16", KvCacheDtype.FP8: "float8_e4m3fn"}
+_BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}  # what consumers without those dtypes take
 
 
 def dlpack_device_of(gpu: Any) -> tuple[int, int]:
@@ -141,7 +145,7 @@ class _MemoryExport(DlpackProducer):
 
     @property
     def dtype(self) -> str:
-        """The tensor's DLPack dtype name: bfloat16, float8_e4m3fn, uint8, int32 or int64."""
+        """The tensor's DLPack dtype name: bfloat16, float8_e4m3fn, uint8, uint16, int32 or int64."""
         return self._layout().dtype
 
     @property
@@ -175,18 +179,19 @@ class _MemoryExport(DlpackProducer):
 
 class PoolView(_MemoryExport):
     """One layer's K or V pool as a tensor (see the module docstring for shapes). Made by
-    `PagedKvCache.k_view` / `v_view`; `part` is "pool", "data" or "scale"."""
+    `PagedKvCache.k_view` / `v_view`; `part` is "pool", "data", "scale" or "bits"."""
 
     def __init__(self, cache, layer: int, side: str, gpu: Any, stream: Any = 0,
                  readonly: bool = False, part: str = "pool"):
         if side not in ("K", "V"):
             raise ValueError(f"side must be 'K' or 'V', got {side!r}")
-        if part not in ("pool", "data", "scale"):
-            raise ValueError(f"part must be 'pool', 'data' or 'scale', got {part!r}")
+        if part not in ("pool", "data", "scale", "bits"):
+            raise ValueError(f"part must be 'pool', 'data', 'scale' or 'bits', got {part!r}")
         if not isinstance(readonly, bool):
             raise ValueError(f"readonly must be a bool, got {readonly!r}")
         stream_handle(stream)  # validates; the object itself is kept for the backend
-        dlpack_device_of(gpu)
+        self._dl_device = dlpack_device_of(gpu)  # fixed: the backend's device kind does not change
+        self._templates: dict[tuple[bool, int], tuple[int, CapsuleTemplate]] = {}
         config = cache.config()
         self._layer_index = config._check_layer(layer)
         if side == "V" and config.v_aliases_k:
@@ -218,6 +223,14 @@ class PoolView(_MemoryExport):
         """The data sections, uint8 `(num_blocks, block_size, row_data_bytes)`, same memory."""
         return PoolView(self._cache, self._layer_index, self._side, self._gpu, self._stream, self._readonly, "data")
 
+    def bits_view(self) -> "PoolView":
+        """The same tensor (shape, strides, memory) with the element bits as unsigned ints:
+        uint16 for a bfloat16 pool, uint8 for float8_e4m3fn, the pool itself for packed
+        formats. For consumers without those dtypes: numpy's `from_dlpack` refuses bfloat16
+        and float8 ("Unsupported dtype"); `np.from_dlpack(view.bits_view()).view(ml_dtypes.bfloat16)`
+        is the zero-copy array."""
+        return PoolView(self._cache, self._layer_index, self._side, self._gpu, self._stream, self._readonly, "bits")
+
     def scale_view(self) -> "PoolView":
         """The scale sections, uint8 `(num_blocks, block_size, groups_per_row * scale_bytes)`,
         same memory; ValueError for bf16 and fp8, which have none."""
@@ -226,6 +239,23 @@ class PoolView(_MemoryExport):
     def _address(self) -> DevicePtr:
         layer = self._layer_index
         return self._cache.k_pool_ptr(layer) if self._side == "K" else self._cache.v_pool_ptr(layer)
+
+    def _device(self) -> tuple[int, int]:
+        return self._dl_device
+
+    def _template(self, versioned: bool, minor: int) -> CapsuleTemplate:
+        """The prepared export, kept per capsule kind while the pool stays where it is
+        (a released cache raises in `_address`, before any kept export is used). An
+        elastic cache's is made afresh each time: its mapping (checked by the backend's
+        view of the whole extent) may change between exports."""
+        address = int(self._address())
+        if self._cache.is_elastic():
+            return prepared_export(self._tensor_spec(), versioned, minor)
+        kept = self._templates.get((versioned, minor))
+        if kept is None or kept[0] != address:
+            kept = (address, prepared_export(self._tensor_spec(), versioned, minor))
+            self._templates[(versioned, minor)] = kept
+        return kept[1]
 
     def _stride(self) -> int:
         layer = self._layer_index
@@ -257,6 +287,8 @@ class PoolView(_MemoryExport):
         if element is None:
             return _Layout(0, "uint8", (blocks, side_bytes(fmt, block_size * n)), (stride, 1))
         size = NUMPY_DTYPES[element].itemsize
+        if self._part == "bits":
+            element = _BITS_DTYPES[element]
         return _Layout(0, element, (blocks, block_size, heads, head_dim),
                        (stride, n * size, head_dim * size, size))
 

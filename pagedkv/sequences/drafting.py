@@ -14,7 +14,7 @@ from ..core.validate import non_negative_int
 
 class DraftingSteps:
     """Mixed into `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_window`, `_guard`,
-    `_get`, `_init`, `_copy`, `_deliver`, `_step_arguments`)."""
+    `_get`, `_init`, `_copy`, `_deliver`, `_step_arguments`, `_batch`)."""
 
     @guarded
     def _append_drafting(self, seq_id: Hashable, n_tokens: object, token_ids: object, lookahead: object) -> None:
@@ -74,6 +74,7 @@ class DraftingSteps:
             seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
         seq.num_tokens = total
         seq.step_start = old
+        self._batch.rewrite(seq)  # the persistent batch's row follows the blocks
         if released:
             cache.free_blocks(released[::-1])  # tail first, like `free`
 

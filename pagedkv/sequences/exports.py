@@ -2,9 +2,10 @@
 slot mappings of a batch of sequences, as host arrays, and their device copies in buffers
 the table owns (`ExportBuffers`).
 
-Each builder takes the batch's sequence records (`blocks`, `num_tokens`, `dropped`,
-`step_start`) in batch order; `SequenceTable` checks the ids and wraps the results in
-`Exported`.
+The exports are cut from the table's kept arrays (`batch.KeptBatch`). The builders here
+(`block_table_of`, `page_table_of`, `slot_mapping_of`) rebuild the same arrays from the
+sequence records (`blocks`, `num_tokens`, `dropped`, `step_start`) from scratch: they are
+the reference the kept exports are tested against, byte for byte.
 """
 
 from __future__ import annotations
@@ -156,6 +157,29 @@ class ExportBuffers:
         ptrs = [DeviceArrayPtr(base.offset(o), arr, self._gpu, self._stream) for arr, o in zip(arrays, offsets)]
         return ptrs[0] if len(ptrs) == 1 else ptrs
 
+    def upload_batch_table(self, batch: Any, table: np.ndarray):
+        """The device copy of the persistent batch's block table `table` (a new C-contiguous
+        array cut from `batch`): when the device already holds this batch's table at the
+        same width, only the rows changed since (one contiguous range) and new rows are
+        copied; else the whole table, as `upload`. None without a backend."""
+        if self._gpu is None:
+            return None
+        n, width = table.shape
+        current = self._buffers.get("block_table")
+        incremental = batch.dev_width == width and current is not None and current[1] >= table.nbytes
+        batch.dev_width = -1  # until this upload is done
+        if incremental:
+            base = current[0]
+            start = min(batch.lo, batch.dev_rows)
+            stop = n if n > batch.dev_rows else min(batch.hi, n)
+            if start < stop:
+                self._gpu.copy_h2d(table[start:stop], base.offset(start * width * table.itemsize))
+            ptr = DeviceArrayPtr(base, table, self._gpu, self._stream)
+        else:
+            ptr = self.upload("block_table", [table])
+        batch.uploaded(width, n)
+        return ptr
+
     def _device_buffer(self, kind: str, nbytes: int) -> DevicePtr:
         current = self._buffers.get(kind)
         if current is not None and current[1] >= nbytes:
@@ -194,7 +218,13 @@ class ExportBuffers:
 
 class SequenceExports:
     """The export half of `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_exports`,
-    `_guard` and `_get`): every export is guarded like the table's other calls."""
+    `_batch`, `_guard` and `_get`): every export is guarded like the table's other calls.
+
+    Every export takes `seq_ids` (an iterable of live ids, each at most once, in the order
+    wanted) or None: the table's persistent batch, `batch_ids()`, in row order. Exports are
+    cut from arrays the table keeps as sequences change (`batch.KeptBatch`), so their cost
+    follows the batch's size, not a rebuild from every held block; with None the block
+    table's device copy uploads only the rows changed since its previous upload."""
 
     def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[Any]:
         """The live sequences of `seq_ids`, each at most once; TypeError for a str or a
@@ -202,7 +232,11 @@ class SequenceExports:
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
             raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
         ids = list(seq_ids)
-        seqs = [self._get(s) for s in ids]
+        live = self._seqs
+        try:
+            seqs = [live[s] for s in ids]
+        except KeyError:
+            seqs = [self._get(s) for s in ids]  # raises naming the unknown id
         if len(set(map(id, seqs))) != len(seqs):
             seen: set[int] = set()
             for seq_id, seq in zip(ids, seqs):
@@ -211,17 +245,41 @@ class SequenceExports:
                 seen.add(id(seq))
         return seqs
 
+    def _records(self, seq_ids: Iterable[Hashable] | None) -> tuple[list[Any], Any]:
+        """(records, rows) of `seq_ids`; rows is None for the whole batch (seq_ids None)."""
+        batch = self._batch
+        if seq_ids is None:
+            return batch.seqs, None
+        seqs = self._seq_list(seq_ids)
+        return seqs, np.fromiter([s.row for s in seqs], dtype=np.intp, count=len(seqs))
+
     @guarded
-    def block_table(self, seq_ids: Iterable[Hashable]) -> Exported:
+    def batch_ids(self) -> list[Hashable]:
+        """The persistent batch's ids in row order: what an export with `seq_ids=None`
+        covers. A sequence keeps its row while it lives; added (or forked) sequences take
+        the next row; freeing one moves the last row's sequence into its row, the only way
+        this order changes."""
+        return list(self._batch.ids)
+
+    @guarded
+    def block_table(self, seq_ids: Iterable[Hashable] | None = None) -> Exported:
         """A `[num_seqs, max_blocks]` int32 table of each sequence's held blocks, padded
-        with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`). The export
-        is a DLPack producer: of the device buffer with a backend, else of the host array."""
-        table = block_table_of(self._seq_list(seq_ids))
+        with -1 (A holding [7, 2, 9] and B [4] give `[[7, 2, 9], [4, -1, -1]]`); `seq_ids`
+        None: the whole batch (`batch_ids()`). The export is a DLPack producer: of the
+        device buffer with a backend, else of the host array (a new array each call)."""
+        batch = self._batch
+        if seq_ids is None:
+            table = batch.block_table(None)
+            return Exported(table, self._exports.upload_batch_table(batch, table))
+        seqs, rows = self._records(seq_ids)
+        table = batch.block_table(rows)
+        batch.dev_width = -1  # the device buffer now holds this table, not the batch's
         return Exported(table, self._exports.upload("block_table", [table]))
 
     @guarded
-    def page_table(self, seq_ids: Iterable[Hashable]) -> Exported:
-        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks.
+    def page_table(self, seq_ids: Iterable[Hashable] | None = None) -> Exported:
+        """The CSR triple `(indptr, indices, last_page_len)`, int32, of the held blocks
+        (`seq_ids` None: the whole batch).
 
         `last_page_len` follows FlashInfer's rule: between 1 and `block_size` for a sequence
         with tokens, so its held length is `(pages - 1) * block_size + last_page_len`. A
@@ -234,16 +292,28 @@ class SequenceExports:
 
         With a backend, `device` is a PageTable of DLPack producers (kDLCPU on HostBackend,
         kDLCUDA on CudaBackend); without one, `host` holds numpy arrays (DLPack producers too)."""
-        host = page_table_of(self._seq_list(seq_ids), self._bs)
+        seqs, rows = self._records(seq_ids)
+        host = self._batch.page_table(seqs, rows, self._bs)
         device = self._exports.upload("page_table", list(host))
         return Exported(host, None if device is None else PageTable(*device))
 
     @guarded
-    def slot_mapping(self, seq_ids: Iterable[Hashable], pad_to: int | None = None) -> Exported:
+    def seq_lens(self, seq_ids: Iterable[Hashable] | None = None) -> Exported:
+        """int32 per sequence (`seq_ids` None: the whole batch), in batch order: the tokens
+        its held blocks cover, the `seq_lens` FlashAttention and vLLM's kernels take beside
+        the block table (with a sliding window, `num_tokens - first_block_position`; with
+        lookahead, the drafts included). The export (and `device`, with a backend) is a
+        DLPack producer like the others."""
+        seqs, _ = self._records(seq_ids)
+        lens = self._batch.seq_lens(seqs, self._bs)
+        return Exported(lens, self._exports.upload("seq_lens", [lens]))
+
+    @guarded
+    def slot_mapping(self, seq_ids: Iterable[Hashable] | None = None, pad_to: int | None = None) -> Exported:
         """int64 slots (`block * block_size + offset`) of the tokens each sequence's latest
         `add` or `append` introduced (for `add`, those after the prefix-cache match),
-        sequence after sequence, padded with -1 (skip) to `pad_to` entries (at most the
-        cache's slot count, `num_blocks * block_size`).
+        sequence after sequence (`seq_ids` None: the whole batch), padded with -1 (skip) to
+        `pad_to` entries (at most the cache's slot count, `num_blocks * block_size`).
 
         Example, block_size 4: A holds blocks [7, 2, 9] and its latest append added
         positions 7 and 8; B holds [4] and was just added with 3 tokens::
@@ -258,14 +328,9 @@ class SequenceExports:
             limit = self._cache.num_blocks() * bs
             if pad_to > limit:
                 raise ValueError(f"pad_to is {pad_to}, more than the cache's {limit} slots")
-        slots = slot_mapping_of(self._seq_list(seq_ids), bs, pad_to)
+        seqs, rows = self._records(seq_ids)
+        slots = self._batch.slot_mapping(seqs, rows, bs, pad_to)
         return Exported(slots, self._exports.upload("slot_mapping", [slots]))
-
-
-def seq_lens_of(seqs: Sequence[Any], block_size: int) -> np.ndarray:
-    """int32 tokens each sequence's held blocks cover (its positions from its first held
-    block on: `num_tokens` less what a sliding window released), in batch order."""
-    return np.fromiter((s.num_tokens - s.dropped * block_size for s in seqs), dtype=np.int32, count=len(seqs))
 
 
 def token_slots_of(seq: Any, block_size: int, start: int, stop: int) -> np.ndarray:
@@ -278,16 +343,6 @@ def token_slots_of(seq: Any, block_size: int, start: int, stop: int) -> np.ndarr
 class LengthExports:
     """The length and whole-sequence slot exports of `SequenceTable` (it sets what
     `SequenceExports` names), guarded like its other calls."""
-
-    @guarded
-    def seq_lens(self, seq_ids: Iterable[Hashable]) -> Exported:
-        """int32 per sequence, in batch order: the tokens its held blocks cover, the
-        `seq_lens` FlashAttention and vLLM's kernels take beside the block table (with a
-        sliding window, `num_tokens - first_block_position`; with lookahead, the drafts
-        included). Ids distinct, as for the other exports. The export (and `device`, with a
-        backend) is a DLPack producer."""
-        lens = seq_lens_of(self._seq_list(seq_ids), self._bs)
-        return Exported(lens, self._exports.upload("seq_lens", [lens]))
 
     @guarded
     def token_slots(self, seq_id: Hashable, start: int = 0, stop: int | None = None) -> Exported:

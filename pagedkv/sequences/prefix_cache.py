@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
-from ..core.log import get_logger
+from ..core.log import debug_enabled, get_logger
 from ..core.streams import stream_handle
-from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids
+from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids, token_ids_and_bytes
 from ..errors import KvCacheError, RefCountError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
 from .block_keys import BlockKeys, block_keys
@@ -152,6 +152,7 @@ class PrefixCache(RetentionApi):
         self._hash_scheme = hash_scheme
         self._tree = RadixTree(self._block_size)
         self._by_block = self._tree.by_block  # the same dict: the hot paths read it directly
+        self._cached_view = self._by_block.keys()  # a live view: `in` without a call
         self._policy = RetentionEviction(self._tree, cache.ref_count, clock)
         self._counters = PrefixCounters()
         self._tiering: HostTiering | None = None
@@ -331,26 +332,28 @@ class PrefixCache(RetentionApi):
         self._check_open("insert")
         adapter_id = adapter_id_checked(adapter_id)
         keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
-        tokens = token_ids(tokens, "tokens")
+        tokens, packed = token_ids_and_bytes(tokens, "tokens", copy=False)  # checked and packed once; not kept
         blocks = block_list(blocks, self._cache.num_blocks(), "blocks")  # names a bad entry
         bs = self._block_size
         n_full = len(tokens) // bs
         if not n_full <= len(blocks) <= -(-len(tokens) // bs):
             raise ValueError(f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given")
-        return self._insert_checked(tokens, blocks, n_full, adapter_id, False, keys)
+        return self._insert_checked(tokens, blocks, n_full, adapter_id, False, keys, packed)
 
     def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool,
-                        keys: BlockKeys | None = None) -> int:
+                        keys: BlockKeys | None = None, packed: bytes | None = None) -> int:
         """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
         With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
-        already cached under the current node is followed without comparing its tokens."""
+        already cached under the current node is followed without comparing its tokens.
+        `packed`: the tokens' int64 bytes when the caller has them (else packed here, the
+        new part only)."""
         tiering = self._check_tier()
         bs, tree = self._block_size, self._tree
         root_key = adapter_id if keys is None else keys.root_key
         root = tree.roots.get(root_key)
-        node, path, data, base = root, [], None, 0
+        node, path, data, base = root, [], packed, 0
         if root is not None:
-            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys)
+            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys, packed)
         first_new = len(path)
         path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
         adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks
@@ -414,7 +417,7 @@ class PrefixCache(RetentionApi):
             self._counters.count_priorities(priorities)
             return blocks
         blocks = [node.block for _, node in chosen]
-        hashes = self._events.hashes([node for _, node in chosen]) if self._events.consumer is not None else ()
+        hashes = self._events.hashes([node for _, node in chosen]) if self._events.consumer is not None else None
         for block in blocks:
             self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
         remove = self._tree.remove_leaf
@@ -423,8 +426,9 @@ class PrefixCache(RetentionApi):
         self._counters.evictions += len(blocks)
         self._counters.count_priorities(priorities)
         if blocks:
-            _log.debug("prefix_cache_evicted", blocks=len(blocks))
-            if self._events.consumer is not None:
+            if debug_enabled():
+                _log.debug("prefix_cache_evicted", blocks=len(blocks))
+            if hashes is not None:
                 self._events.emit(BlockRemoved(block_hashes=tuple(hashes), block_ids=tuple(blocks)))
         return blocks
 
@@ -544,6 +548,13 @@ class PrefixCache(RetentionApi):
     def is_cached(self, block: int) -> bool:
         """True when `block` is in the cache."""
         return block in self._by_block
+
+    @property
+    def cached_index(self):
+        """The blocks the cache holds, as a read-only view (`block in index`), the same
+        object for the cache's life: what the allocator's free paths test instead of
+        calling `is_cached` per block."""
+        return self._cached_view
 
     def block_hash(self, block: int) -> int | bytes:
         """The chained content hash of a cached block (an int under the default scheme, the

@@ -26,9 +26,10 @@ from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import MAX_TOKEN_ID, int64_bytes_of_ids, non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int, token_ids_and_bytes
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
+from .batch import KeptBatch
 from .block_keys import block_keys
 from .drafting import DraftingSteps
 from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
@@ -59,7 +60,7 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 class _Seq:
     __slots__ = (
         "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
-        "lookahead", "salt",
+        "lookahead", "salt", "row",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -74,6 +75,7 @@ class _Seq:
         self.room = -1  # tokens `append` may reach without growing; -1 sends it to _grow
         self.lookahead = 0  # the last `lookahead` of num_tokens are draft positions (slots, no committed id)
         self.salt = None  # the prefix cache's key context (cache salt, extra keys) of the prompt
+        self.row = -1  # row in the table's persistent batch (KeptBatch)
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks or `maybe_shared` changed."""
@@ -124,6 +126,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         self._seqs: dict[Hashable, _Seq] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._exports = ExportBuffers(gpu, stream)
+        self._batch = KeptBatch()  # rows of the live sequences and the arrays exports are cut from
         self._reuse = PrefixReuse(prefix_cache, gpu, stream) if prefix_cache is not None else None
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
         self._guard_token = self._guard.token  # the guard's claim list, for append's inline claim
@@ -157,12 +160,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         this sequence's blocks (`cache_prefix`, `free`, a fork's), use them."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        data = int64_bytes_of_ids(prompt_tokens) if type(prompt_tokens) is list else None
-        if data is None:  # not a list of plain ints in range: convert, or raise naming the entry
-            tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
-            data = int64_bytes_of_ids(tokens)
-        else:
-            tokens = list(prompt_tokens)
+        tokens, data = token_ids_and_bytes(prompt_tokens, "prompt_tokens")  # raises naming a bad entry
         n = len(tokens)
         needed = -(-n // self._bs)
         if self._window is not None and needed > self._window:
@@ -202,6 +200,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         seq.salt = keys
         seq.settle(self._bs)
+        self._batch.add(seq_id, seq)
         return matched
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None,
@@ -340,6 +339,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
                     cache.free_block(block)
                     raise
             seq.blocks.append(block)
+            self._batch.block_appended(seq)
             seq.num_tokens, seq.step_start = total, old
             seq.room = (have + 1) * bs
             return
@@ -364,11 +364,14 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         seq.blocks.extend(fresh[copy:])
         if n_tokens:
             seq.maybe_shared = False
+        released = None
         if self._window is not None and len(seq.blocks) > self._window:
             extra = len(seq.blocks) - self._window
             released, seq.blocks[:extra] = seq.blocks[:extra], []
             seq.dropped += extra
             seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
+        self._batch.rewrite(seq)
+        if released is not None:
             cache.free_blocks(released)
         seq.num_tokens = total
         seq.step_start = old
@@ -393,6 +396,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         parent.settle(self._bs)
         child.settle(self._bs)
         self._seqs[dst] = child
+        self._batch.add(dst, child)
 
     @guarded
     def free(self, seq_id: Hashable) -> None:
@@ -402,6 +406,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
+        self._batch.remove(seq)
         try:
             if self._reuse is not None:
                 self._reuse.offer(seq, self._bs)
@@ -481,9 +486,10 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
 
     @guarded
     def check_invariants(self) -> None:
-        """Check the cache's invariants, the prefix cache's, and that every block's count
+        """Check the cache's invariants, the prefix cache's, that every block's count
         equals the references this table and its prefix cache hold (assumes they are the
-        cache's only users). O(num_blocks + held blocks)."""
+        cache's only users), and that the persistent batch's kept arrays equal a rebuild
+        from the sequences. O(num_blocks + held blocks)."""
         held = self.block_references()
         if self._prefix is not None:
             self._prefix.check_invariants()
@@ -499,6 +505,7 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         for block, owners in partial_owners.items():
             if len(owners) > 1 and not all(seq.maybe_shared for seq in owners):
                 raise KvCacheError(f"partly filled block {block} is shared without copy-on-write pending")
+        self._batch.check(self._seqs)
         self._cache.check_invariants(held)
 
     # -- release -----------------------------------------------------------------------

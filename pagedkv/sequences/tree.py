@@ -9,7 +9,7 @@ to the eviction policy. Nothing here takes references or emits events.
 
 Invariants (checked by `check`): every node holds exactly `block_size` tokens under its own
 key in its parent; `n_dev` counts the children on the device; a node's hash is
-`chain_hash(parent hash, tokens)`, a root's `root_hash(adapter_id)`; `by_block` indexes
+`chain_hash(parent hash, tokens)` (computed on first use), a root's `root_hash(adapter_id)`; `by_block` indexes
 exactly the nodes on the device.
 """
 
@@ -33,21 +33,46 @@ def adapter_id_checked(adapter_id: object) -> int:
 class Node:
     """One cached block of the tree (or a root, `block == -1`)."""
 
-    __slots__ = ("key", "block", "hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev", "retain",
+    __slots__ = ("key", "block", "_hash", "parent", "children", "last_used", "adapter_id", "lower", "n_dev", "retain",
                  "digest")
 
-    def __init__(self, key: bytes, block: int, hash_: int, parent: "Node | None", adapter_id: int):
+    def __init__(self, key: bytes, block: int, hash_: int | None, parent: "Node | None", adapter_id: int):
         self.key = key  # the block's tokens as int64 little-endian bytes (exact, not a hash)
         self.block = block  # the device block; -1 for a root; None once it left the device
         self.lower = None  # the tiering part's id for a node living in a lower tier
         self.n_dev = 0  # children on the device
-        self.hash = hash_
+        self._hash = hash_  # None until first asked for (`hash`): a root always has its own
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.last_used = 0
         self.adapter_id = adapter_id
         self.retain = None  # the retention hint (`retention.Retention`), or None
         self.digest = None  # the hash under another hash scheme (`vllm_hash`), computed on first use
+
+    @property
+    def hash(self) -> int:
+        """The chained content hash, `chain_hash(parent.hash, tokens)`: computed on first
+        use (an event, `block_hash`, the disk tier) and kept, the same value either way."""
+        value = self._hash
+        return _chain_hash_of(self) if value is None else value
+
+    @hash.setter
+    def hash(self, value: int) -> None:
+        self._hash = value
+
+
+def _chain_hash_of(node: Node) -> int:
+    """Compute and keep the hashes from the nearest ancestor that has one down to `node`."""
+    chain = []
+    while node._hash is None:
+        chain.append(node)
+        node = node.parent  # type: ignore[assignment] - a root always has its hash
+    digest = node._hash.to_bytes(8, "little")
+    from_bytes = int.from_bytes
+    for pending in reversed(chain):
+        digest = chain_digest(digest, pending.key)
+        pending._hash = from_bytes(digest, "little")
+    return chain[0]._hash
 
 
 class RadixTree:
@@ -90,17 +115,19 @@ class RadixTree:
         return path
 
     def follow(self, node: Node, tokens: list[int], blocks: list[int], n_full: int,
-               by_block: bool, keys: BlockKeys | None = None) -> tuple[Node, list[Node], bytes | None, int]:
+               by_block: bool, keys: BlockKeys | None = None,
+               packed: bytes | None = None) -> tuple[Node, list[Node], bytes | None, int]:
         """Walk down from `node` along the first `n_full` blocks of `tokens` (valid ids) as
         far as the tree has them. With `by_block`, the caller vouches that `blocks[i]` holds
         block i, so a cached block under the current node is followed without comparing
-        its tokens. Returns the last node reached, the nodes passed (in order), and the
-        tokens packed on the way as int64 bytes from block `base` on with `base` (None
+        its tokens. `packed`: all of `tokens` as int64 bytes, when the caller has them.
+        Returns the last node reached, the nodes passed (in order), and the tokens packed
+        as int64 bytes from block `base` on with `base` (`packed` and 0 when given; None
         and 0 when every step went through the index)."""
         bs = self.block_size
         step = 8 * bs
         index, passed = self.by_block, []
-        data: bytes | None = None  # made when first needed
+        data: bytes | None = packed  # else made when first needed
         base = 0
         while len(passed) < n_full:
             i = len(passed)
@@ -135,8 +162,7 @@ class RadixTree:
         the prompt's block `key_base + first + i` (`data` starting at block `key_base`).
         Returns them, parent first."""
         step = 8 * self.block_size
-        index, from_bytes, copy_start = self.by_block, int.from_bytes, HASH_START.copy
-        digest = parent.hash.to_bytes(8, "little")
+        index = self.by_block
         parent.n_dev += 1  # the first new child; each later one is the previous one's child
         made = []
         adapter_id = parent.adapter_id
@@ -144,10 +170,7 @@ class RadixTree:
             chunk = data[offset * step : (offset + 1) * step]
             if keys is not None:
                 chunk += keys.suffix(key_base + offset)
-            state = copy_start()
-            state.update(digest + chunk)
-            digest = state.digest()
-            child = Node(chunk, block, from_bytes(digest, "little"), parent, adapter_id)
+            child = Node(chunk, block, None, parent, adapter_id)  # its hash is computed when asked for
             child.n_dev = 1
             parent.children[chunk] = child
             index[block] = child
@@ -216,7 +239,9 @@ class RadixTree:
                         raise KvCacheError(f"prefix tree node for block {node.block} is misplaced")
                     if node.adapter_id != adapter_id:
                         raise KvCacheError(f"block {node.block} sits under adapter {adapter_id}'s root")
-                    if node.hash != int.from_bytes(chain_digest(parent.hash.to_bytes(8, "little"), key), "little"):
+                    if node._hash is not None and node._hash != int.from_bytes(
+                        chain_digest(parent.hash.to_bytes(8, "little"), key), "little"
+                    ):  # (a hash not yet asked for is computed right when it is)
                         raise KvCacheError(f"block {node.block} carries a wrong hash {node.hash:#x}")
                     if node.block is None:
                         check_lower(node)

@@ -1,0 +1,227 @@
+"""The sequence table's persistent batch: one stable row per live sequence and the arrays
+its exports are cut from, kept up to date as sequences change (`KeptBatch`).
+
+Rows: a sequence gets the next row when it is added (or forked) and keeps it while it
+lives. Freeing the sequence in row r moves the sequence of the LAST row into r (one row
+copy), so the rows stay dense, 0..n-1: this is the only way the batch order changes, and
+`SequenceTable.batch_ids()` always names the current order. An engine that exports with
+`seq_ids=None` (the whole batch) gets rows in that order.
+
+Kept arrays (rows past n and entries past a row's length are always -1 / 0):
+- `table[row, :lens[row]]`: the row's held blocks, oldest first (int32, -1 padded);
+- `lens[row]`: its held block count; `dropped[row]`: blocks the window released.
+Token counts and step starts stay on the sequence records (the per-token hot path writes
+no array); exports gather them, one attribute read per row.
+
+Dirty rows since the last device upload of the batch's block table are kept as one
+contiguous range `[lo, hi)`, so that upload copies only that range when its width is
+unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+
+from ..errors import KvCacheError
+from .exports import PageTable
+
+_NO_ROWS = 1 << 62
+
+
+class KeptBatch:
+    """Rows of live sequences and their kept block table (the module docstring states the
+    rules). Each record must carry `blocks`, `dropped`, `num_tokens`, `step_start` and a
+    writable `row` slot; the owner calls `add`/`remove` as sequences start and end and
+    `block_appended`/`rewrite` after it changed a record's blocks or `dropped`."""
+
+    __slots__ = ("seqs", "ids", "table", "lens", "dropped", "windowed", "arange", "lo", "hi", "dev_width", "dev_rows")
+
+    def __init__(self) -> None:
+        self.seqs: list[Any] = []  # row -> record
+        self.ids: list[Hashable] = []  # row -> sequence id
+        self.table = np.full((16, 16), -1, dtype=np.int32)
+        self.lens = np.zeros(16, dtype=np.int32)
+        self.dropped = np.zeros(16, dtype=np.int64)
+        self.windowed = False  # True once any row had a block released by the window
+        self.arange = np.arange(16, dtype=np.intp)
+        self.lo, self.hi = _NO_ROWS, 0  # rows changed since the last device upload
+        self.dev_width = -1  # width of the batch table on the device; -1: the buffer holds something else
+        self.dev_rows = 0  # rows of it the device holds
+
+    # -- keeping -------------------------------------------------------------------------
+
+    def _reserve(self, rows: int, width: int) -> None:
+        """Grow the kept arrays (doubling) to hold `rows` rows of `width` blocks."""
+        cap_rows, cap_width = self.table.shape
+        if rows <= cap_rows and width <= cap_width:
+            return
+        new_rows, new_width = cap_rows, cap_width
+        while new_rows < rows:
+            new_rows *= 2
+        while new_width < width:
+            new_width *= 2
+        table = np.full((new_rows, new_width), -1, dtype=np.int32)
+        table[:cap_rows, :cap_width] = self.table
+        self.table = table
+        if new_rows > cap_rows:
+            self.lens = np.concatenate([self.lens, np.zeros(new_rows - cap_rows, dtype=np.int32)])
+            self.dropped = np.concatenate([self.dropped, np.zeros(new_rows - cap_rows, dtype=np.int64)])
+        if new_width > cap_width:
+            self.dev_width = -1  # (the device layout follows the export width, not this capacity)
+
+    def _touch(self, row: int) -> None:
+        if row < self.lo:
+            self.lo = row
+        if row >= self.hi:
+            self.hi = row + 1
+
+    def add(self, seq_id: Hashable, seq: Any) -> None:
+        """Give `seq` the next row and write its blocks there."""
+        row = len(self.seqs)
+        blocks = seq.blocks
+        self._reserve(row + 1, len(blocks))
+        self.seqs.append(seq)
+        self.ids.append(seq_id)
+        seq.row = row
+        self.table[row, : len(blocks)] = blocks
+        self.lens[row] = len(blocks)
+        self.dropped[row] = seq.dropped
+        if seq.dropped:
+            self.windowed = True
+        self._touch(row)
+
+    def remove(self, seq: Any) -> None:
+        """Drop `seq`'s row; the last row's sequence moves into it."""
+        row, last = seq.row, len(self.seqs) - 1
+        table, lens = self.table, self.lens
+        if row != last:
+            moved = self.seqs[last]
+            width = max(int(lens[row]), int(lens[last]))
+            table[row, :width] = table[last, :width]
+            lens[row], self.dropped[row] = lens[last], self.dropped[last]
+            self.seqs[row], self.ids[row] = moved, self.ids[last]
+            moved.row = row
+            self._touch(row)
+        table[last, : lens[last]] = -1
+        lens[last], self.dropped[last] = 0, 0
+        self.seqs.pop()
+        self.ids.pop()
+        seq.row = -1
+        if self.dev_rows > last:
+            self.dev_rows = last
+
+    def block_appended(self, seq: Any) -> None:
+        """`seq.blocks` grew by one block at its end (nothing else changed)."""
+        row, blocks = seq.row, seq.blocks
+        k = len(blocks)  # (the kept length is k - 1: the records and the rows agree)
+        table = self.table
+        if k > table.shape[1]:
+            self._reserve(len(self.seqs), k)
+            table = self.table
+        table[row, k - 1] = blocks[-1]
+        self.lens[row] = k
+        if row < self.lo:
+            self.lo = row
+        if row >= self.hi:
+            self.hi = row + 1
+
+    def rewrite(self, seq: Any) -> None:
+        """Write `seq`'s row again from its record (after any change of its blocks or `dropped`)."""
+        row, blocks = seq.row, seq.blocks
+        n = len(blocks)
+        self._reserve(len(self.seqs), n)
+        old = int(self.lens[row])
+        self.table[row, :n] = blocks
+        if old > n:
+            self.table[row, n:old] = -1
+        self.lens[row] = n
+        self.dropped[row] = seq.dropped
+        if seq.dropped:
+            self.windowed = True
+        self._touch(row)
+
+    def _all_rows(self, n: int) -> np.ndarray:
+        """0..n-1 as intp (a kept array, sliced)."""
+        if self.arange.size < n:
+            self.arange = np.arange(max(n, 2 * self.arange.size), dtype=np.intp)
+        return self.arange[:n]
+
+    def uploaded(self, width: int, rows: int) -> None:
+        """The device now holds the first `rows` rows of the batch's table at `width`."""
+        self.dev_width, self.dev_rows = width, rows
+        self.lo, self.hi = _NO_ROWS, 0
+
+    def check(self, live: dict) -> None:
+        """KvCacheError unless the rows are exactly the live sequences (`live`: id -> record)
+        and every kept array equals a rebuild from the records."""
+        n = len(self.seqs)
+        if n != len(live) or len(self.ids) != n or any(live.get(i) is not s for i, s in zip(self.ids, self.seqs)):
+            raise KvCacheError(f"the persistent batch holds {n} rows for {len(live)} live sequences")
+        for row, seq in enumerate(self.seqs):
+            k = len(seq.blocks)
+            if seq.row != row or int(self.lens[row]) != k or int(self.dropped[row]) != seq.dropped:
+                raise KvCacheError(f"row {row} of the persistent batch is out of date")
+            if self.table[row, :k].tolist() != seq.blocks or (self.table[row, k:] != -1).any():
+                raise KvCacheError(f"row {row} of the kept block table differs from its sequence's blocks")
+        if (self.table[n:] != -1).any() or self.lens[n:].any():
+            raise KvCacheError("the kept block table holds blocks past its last row")
+
+    # -- exports -------------------------------------------------------------------------
+
+    def block_table(self, rows: np.ndarray | None) -> np.ndarray:
+        """The `[len(rows), max blocks]` int32 block table of `rows` (None: every row), a new array."""
+        if rows is None:
+            n = len(self.seqs)
+            width = int(self.lens[:n].max()) if n else 0
+            return self.table[:n, :width].copy()
+        width = int(self.lens[rows].max()) if rows.size else 0
+        return self.table[rows, :width]
+
+    def page_table(self, seqs: list[Any], rows: np.ndarray | None, block_size: int) -> PageTable:
+        """The int32 CSR triple of `seqs` (rows `rows`, None: every row)."""
+        sub = self.block_table(rows)
+        n = sub.shape[0]
+        lens = self.lens[:n] if rows is None else self.lens[rows]
+        indptr = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(lens, out=indptr[1:])
+        indices = sub[sub >= 0]  # row-major: each row's held blocks in order (-1 pads the rest)
+        dropped = self.dropped[:n] if rows is None else self.dropped[rows]
+        tokens = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
+        last = np.where(lens > 0, tokens - (dropped + lens - 1) * block_size, 0).astype(np.int32)
+        return PageTable(indptr, indices.astype(np.int32, copy=False), last)
+
+    def seq_lens(self, seqs: list[Any], block_size: int) -> np.ndarray:
+        """int32 tokens the held blocks of each of `seqs` cover (`num_tokens` less what a
+        sliding window released)."""
+        return np.fromiter([s.num_tokens - s.dropped * block_size for s in seqs], dtype=np.int32, count=len(seqs))
+
+    def slot_mapping(self, seqs: list[Any], rows: np.ndarray | None, block_size: int, pad_to: int | None) -> np.ndarray:
+        """int64 slots of the positions each of `seqs` (rows `rows`) introduced in its latest
+        step, in order, -1 padded to `pad_to` (ValueError when fewer than the slots)."""
+        n = len(seqs)
+        bs = block_size
+        starts = np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n)
+        ends = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
+        counts = ends - starts
+        if rows is None:
+            rows = self._all_rows(n)
+        total = int(counts.sum())
+        if total == n and (n == 0 or int(counts.min()) == 1):  # a decode step: one position each
+            row_of, positions = rows, starts
+        else:
+            row_of = np.repeat(rows, counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            positions = np.arange(total, dtype=np.int64) - first + np.repeat(starts, counts)
+        column = positions // bs
+        if self.windowed:
+            column -= self.dropped[row_of]
+        slots = self.table[row_of, column].astype(np.int64) * bs + positions % bs
+        if pad_to is not None:
+            if pad_to < total:
+                raise ValueError(f"pad_to must be an int >= the {total} slots, got {pad_to!r}")
+            out = np.full(pad_to, -1, dtype=np.int64)
+            out[:total] = slots
+            return out
+        return slots
