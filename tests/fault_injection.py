@@ -213,10 +213,22 @@ def _use_every_block(cache: PagedKvCache, gpu: HostBackend) -> None:
 
 
 def recover_and_release(w: World) -> dict[str, int]:
-    """Faults off: check the invariants, use every block, release everything (retrying what
-    a failure kept), and return what is still live on the backend."""
+    """Faults off: `recover`, then what is still live on the backend."""
     gpu = w.gpu
     gpu.plan.armed = False
+    recover(w)
+    return {
+        "allocations": gpu.live_allocations(),
+        "bytes": gpu.live_bytes(),
+        "swap_memory": gpu.live_swap_memory(),
+        "events": gpu.live_events(),
+    }
+
+
+def recover(w: World) -> None:
+    """Check the invariants, use every block, release everything (retrying what a failure
+    kept). Backend-neutral: the stub sweep runs it over CudaBackend."""
+    gpu = w.gpu
     cache = w.cache
     if w.table is not None and w.prefix is not None and not w.prefix.closed():
         w.table.check_invariants()
@@ -234,12 +246,6 @@ def recover_and_release(w: World) -> dict[str, int]:
         w.tier.release(gpu)
     if cache is not None:
         cache.release(gpu)
-    return {
-        "allocations": gpu.live_allocations(),
-        "bytes": gpu.live_bytes(),
-        "swap_memory": gpu.live_swap_memory(),
-        "events": gpu.live_events(),
-    }
 
 
 def count_calls(name: str) -> list[str]:
