@@ -30,6 +30,7 @@ from .core.guard import ConcurrentUseError
 from .core.teardown import ModelResource, Teardown
 from .core.validate import MAX_TOKEN_ID, token_ids
 from .errors import (
+    ChunkNotMapped,
     DeviceMemoryError,
     DeviceOutOfMemory,
     KvCacheError,
@@ -135,6 +136,7 @@ __all__ = [
     "BlockRegions",
     "BlockRemoved",
     "BlockStored",
+    "ChunkNotMapped",
     "ConcurrentUseError",
     "DeviceArray",
     "DeviceMemoryError",

@@ -28,6 +28,11 @@ class DeviceOutOfMemory(DeviceMemoryError, MemoryError):
     """An allocation larger than the backend's free memory."""
 
 
+class ChunkNotMapped(DeviceMemoryError):
+    """`unmap_chunk` of a range with no chunk mapped there (never mapped, or unmapped
+    already: a retry after an unmap that failed late finds it gone)."""
+
+
 class TeardownError(PagedKvError, RuntimeError):
     """One or more resources failed to release; the message lists each label and its error."""
 

@@ -443,8 +443,8 @@ class HostSwapMemory:
     def free(self) -> None:
         """Give the memory back; later batched copies refuse its ranges. Idempotent."""
         if not self.freed:
+            self._backend._forget_swap(self)  # first: marked freed only once it is gone
             self.freed = True
-            self._backend._forget_swap(self)
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else "live"

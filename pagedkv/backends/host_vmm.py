@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.validate import as_int, positive_int
-from ..errors import DeviceMemoryError, DeviceOutOfMemory
+from ..errors import ChunkNotMapped, DeviceMemoryError, DeviceOutOfMemory
 from .protocol import DevicePtr
 
 
@@ -117,7 +117,7 @@ class HostAddressSpace:
     def unmap(self, res: Reservation, offset: int, nbytes: int) -> None:
         """Drop the chunk mapped at `offset`, which must be exactly `nbytes` long."""
         if res.chunks.get(offset) != nbytes:
-            raise DeviceMemoryError(
+            raise ChunkNotMapped(
                 f"unmap of {nbytes} bytes at offset {offset} of the reservation at {DevicePtr(res.base)!r}: "
                 f"not a chunk mapped there (mapped chunks: {sorted(res.chunks.items())[:8]})"
             )

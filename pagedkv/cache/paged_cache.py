@@ -238,8 +238,9 @@ class PagedKvCache(CacheGeometry):
         another library enqueued on the pools (an attention kernel on a torch stream) is only
         waited for when its stream or an event after it is given here; unmapping under it
         faults the device and loses the context. `gpu` must be the cache's backend
-        (KvCacheError otherwise). A backend error is raised after every pool was attempted,
-        with what stayed mapped recorded. A host array or DLPack export taken of an elastic
+        (KvCacheError otherwise). A backend error is raised after every pool was attempted;
+        a granule whose unmap failed is no longer resident (it may be unmapped) and the next
+        `shrink` unmaps it again. A host array or DLPack export taken of an elastic
         pool before the shrink must not be used after it (on a GPU its unmapped part faults;
         a HostBackend export does not see the unmap)."""
         self._pools.check_backend(gpu)

@@ -63,9 +63,12 @@ class Teardown:
 
     def release_all(self, gpu) -> None:
         """Release every resource in reverse order, continuing past failures; then, if any
-        failed, raise TeardownError: `N resource(s) failed to release: label: error; ...`."""
+        failed, raise TeardownError: `N resource(s) failed to release: label: error; ...`.
+        A resource whose release failed stays registered (in its order), so a second call
+        retries just those; the ones released are forgotten."""
         failures: list[tuple[str, BaseException]] = []
         resources, self._resources = self._resources, []
+        kept: list[ModelResource] = []
         for resource in reversed(resources):
             try:
                 resource.release(gpu)
@@ -73,6 +76,9 @@ class Teardown:
                 label = _safe_label(resource)
                 _log.error("resource_release_failed", resource=label, error=str(err))
                 failures.append((label, err))
+                kept.append(resource)
+        kept.reverse()
+        self._resources = kept + self._resources  # before any pushed while releasing
         if failures:
             raise TeardownError(failures)
 

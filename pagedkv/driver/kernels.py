@@ -162,10 +162,10 @@ class BlockKernels:
         if regions.device_table is None:
             return
         ptr = regions.device_table
+        self.free(ptr)  # first: a failed free keeps the table recorded for a retry
         regions.device_table = None
         with self._lock:
             self._region_limits.pop(int(ptr), None)
-        self.free(ptr)
 
     def _table(self, regions: BlockRegions, top: int, row: int | None = None) -> int:
         """The device table of `regions`, after checking block index `top` fits every row

@@ -45,6 +45,7 @@ class MemoryAndCopies:
     _alloc_bases: list[int]
     _pinned: dict[int, PinnedBuffer]
     _streams: dict[int, Any]
+    _events: dict[int, Any]
 
     # -- memory ---------------------------------------------------------------------
 
@@ -65,9 +66,10 @@ class MemoryAndCopies:
             if address not in self._allocs:
                 raise DeviceMemoryError(f"free of {DevicePtr(address)!r}: not an allocation of this backend, or already freed")
             driver = self._enter()
+            # recorded until the driver says it is gone: a failed free can be retried
+            check(driver.cuMemFree(address), "cuMemFree", f"{DevicePtr(address)!r}")
             del self._allocs[address]
             self._alloc_bases.remove(address)
-        check(driver.cuMemFree(address), "cuMemFree", f"{DevicePtr(address)!r}")
 
     def live_allocations(self) -> int:
         """How many allocations made by `alloc` are live now."""
@@ -101,9 +103,9 @@ class MemoryAndCopies:
 
     def _free_pinned(self, buf: PinnedBuffer) -> None:
         with self._lock:
+            driver = self._enter()
+            check(driver.cuMemFreeHost(buf.address), "cuMemFreeHost")  # recorded until it succeeds
             self._pinned.pop(buf.address, None)
-        driver = self._enter()
-        check(driver.cuMemFreeHost(buf.address), "cuMemFreeHost")
 
     def _require_pinned(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -130,11 +132,12 @@ class MemoryAndCopies:
     def destroy_stream(self, stream: int) -> None:
         """Destroy a stream made by `create_stream`; 0 or an unknown handle raises ValueError."""
         with self._lock:
-            handle = self._streams.pop(stream, None) if stream != 0 else None
-        if handle is None:
-            raise ValueError(f"cannot destroy stream {stream!r}: not a stream made by create_stream")
-        driver = self._enter()
-        check(driver.cuStreamDestroy(handle), "cuStreamDestroy")
+            handle = self._streams.get(stream) if stream != 0 else None
+            if handle is None:
+                raise ValueError(f"cannot destroy stream {stream!r}: not a stream made by create_stream")
+            driver = self._enter()
+            check(driver.cuStreamDestroy(handle), "cuStreamDestroy")  # recorded until it succeeds
+            self._streams.pop(stream, None)
 
     def _stream(self, stream: int) -> Any:
         if is_stream_object(stream):  # another library's stream, named by __cuda_stream__
@@ -176,6 +179,9 @@ class MemoryAndCopies:
             check(driver.cuStreamWaitEvent(consumer, event, 0), "cuStreamWaitEvent")
         finally:
             destroyed = driver.cuEventDestroy(event)
+            if int(getattr(destroyed[0], "value", destroyed[0])) != 0:
+                with self._lock:
+                    self._events[int(event)] = event  # kept: destroy_event or close() retries it
         check(destroyed, "cuEventDestroy")
 
     def synchronize(self, stream: int) -> None:

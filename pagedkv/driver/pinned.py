@@ -38,11 +38,13 @@ class PinnedBuffer:
         return self._array is not None and self.address <= address and address + nbytes <= self.address + self.nbytes
 
     def free(self) -> None:
-        """Return the memory to the driver; a second call does nothing."""
+        """Return the memory to the driver; a second call does nothing. If the driver
+        refuses, the error is raised and the buffer stays live and recorded (a retry, or
+        the backend's close, frees it)."""
         if self._array is None:
             return
-        self._array = None
         self._release(self)
+        self._array = None
 
     def __enter__(self) -> "PinnedBuffer":
         return self

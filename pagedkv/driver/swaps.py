@@ -22,6 +22,8 @@ from ._bindings import CU_STREAM_LEGACY
 from ..backends.batch_ranges import AddressTable, as_ranges, check_overlaps
 from .errors import check
 from .memcpy_batch import MemcpyBatch, resolve
+from .pinned import PinnedBuffer
+from ..core.log import get_logger
 from .swap_memory import SwapMemory
 
 COPY_BATCH_ENV = "PAGEDKV_COPY_BATCH"
@@ -34,6 +36,7 @@ COPY_BATCH_CHUNK = 64 << 10
 """Bytes of one work item of the copy kernel (a multiple of 16)."""
 
 _KERNEL = "pagedkv_copy_batch"
+_log = get_logger("cuda")
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 _CUDA_ERROR_NOT_READY = 600
@@ -85,7 +88,10 @@ class HostSwaps:
         try:
             device = int(check(driver.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer"))
         except BaseException:
-            check(driver.cuMemFreeHost(address), "cuMemFreeHost")
+            freed = driver.cuMemFreeHost(address)
+            if int(getattr(freed[0], "value", freed[0])) != 0:  # kept as pinned memory: close() frees it
+                with self._lock:
+                    self._pinned[address] = PinnedBuffer(address, nbytes, self._free_pinned)
             raise
         memory = SwapMemory(address, device, nbytes, self._free_swap)
         with self._lock:
@@ -172,13 +178,16 @@ class HostSwaps:
         handle = self._stream(stream)
         driver = self._enter()
         event = check(driver.cuEventCreate(_EVENT_DISABLE_TIMING), "cuEventCreate")
+        with self._lock:
+            self._events[int(event)] = event  # recorded first: every failure path keeps it until destroyed
         try:
             check(driver.cuEventRecord(event, handle), "cuEventRecord")
         except BaseException:
-            check(driver.cuEventDestroy(event), "cuEventDestroy")
+            try:
+                self.destroy_event(int(event))
+            except Exception as err:  # noqa: BLE001 - the record error is the one to raise
+                _log.error("cuda_event_destroy_failed", error=str(err))  # recorded: close() retries it
             raise
-        with self._lock:
-            self._events[int(event)] = event
         return int(event)
 
     def _event(self, event: int) -> Any:

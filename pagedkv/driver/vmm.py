@@ -6,6 +6,11 @@ handle of each chunk mapped into them (`cuMemCreate` + `cuMemMap` + `cuMemSetAcc
 by `cuMemUnmap` + `cuMemRelease`). Every call takes the driver module of a caller that has
 made the device's context current (CudaBackend does, and serialises calls with its lock).
 Each call is all or nothing: a failed map releases what it created, so nothing leaks.
+Nothing is forgotten before the driver says it is gone: a chunk whose `cuMemUnmap` worked
+but whose `cuMemRelease` failed is kept (unmapped, its handle unreleased), and the next
+`unmap` of it, any `map` (before its `cuMemCreate`, so a handle value the driver reuses is
+never recorded twice), `release` of its reservation or the backend's close retries the
+release; a retry refused as an invalid handle means the first release took effect.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..backends.protocol import DevicePtr
-from ..errors import DeviceMemoryError
+from ..errors import ChunkNotMapped, DeviceMemoryError
 from ..core.validate import as_int, positive_int
 from .errors import check
 
 _ATTR_VMM_SUPPORTED = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 _ACCESS_READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+_CUDA_ERROR_INVALID_HANDLE = 400
 
 
 def _gib(nbytes: int) -> str:
@@ -40,6 +46,7 @@ class VirtualMemory:
         self._granularity: int | None = None
         self._reservations: dict[int, int] = {}  # base -> size
         self._chunks: dict[int, tuple[int, Any]] = {}  # address -> (size, physical handle)
+        self._unreleased: dict[int, tuple[int, Any]] = {}  # unmapped chunks whose cuMemRelease failed
 
     def _prop(self, driver: Any) -> Any:
         prop = driver.CUmemAllocationProp()
@@ -112,32 +119,55 @@ class VirtualMemory:
         for at, (size, _) in self._chunks.items():
             if at < address + nbytes and address < at + size:
                 raise DeviceMemoryError(f"map_chunk at {DevicePtr(address)!r}: {DevicePtr(at)!r} is mapped already")
+        for at in list(self._unreleased):  # first: a handle the driver may reuse must not be recorded twice
+            self._release_unmapped(driver, at)  # raises if it fails again
         handle = check(driver.cuMemCreate(nbytes, self._prop(driver), 0), "cuMemCreate", f"asking {_gib(nbytes)}")
+        self._unreleased[address] = (nbytes, handle)  # created, not mapped: recorded until released
         try:
             check(driver.cuMemMap(address, nbytes, 0, handle, 0), "cuMemMap")
-            try:
-                access = driver.CUmemAccessDesc()
-                access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                access.location.id = self.ordinal
-                access.flags = driver.CUmemAccess_flags(_ACCESS_READWRITE)
-                check(driver.cuMemSetAccess(address, nbytes, [access], 1), "cuMemSetAccess")
-            except BaseException:
-                check(driver.cuMemUnmap(address, nbytes), "cuMemUnmap")
-                raise
         except BaseException:
-            check(driver.cuMemRelease(handle), "cuMemRelease")
+            self._release_unmapped(driver, address, first=True)  # stays recorded if the release fails too
             raise
-        self._chunks[address] = (nbytes, handle)
+        self._chunks[address] = self._unreleased.pop(address)  # mapped: `unmap` undoes it
+        try:
+            access = driver.CUmemAccessDesc()
+            access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = self.ordinal
+            access.flags = driver.CUmemAccess_flags(_ACCESS_READWRITE)
+            check(driver.cuMemSetAccess(address, nbytes, [access], 1), "cuMemSetAccess")
+        except BaseException:
+            self.unmap(driver, DevicePtr(address), nbytes)  # what fails stays recorded for a retry
+            raise
 
     def unmap(self, driver: Any, ptr: DevicePtr, nbytes: int) -> None:
         """Unmap the chunk `map` mapped at `ptr` with exactly `nbytes` and release its memory."""
         address = int(ptr)
+        left = self._unreleased.get(address)
+        if left is not None and left[0] == nbytes:
+            self._release_unmapped(driver, address)  # the retry of an unmap whose release failed
+            return
         chunk = self._chunks.get(address)
         if chunk is None or chunk[0] != nbytes:
-            raise DeviceMemoryError(f"unmap_chunk of {nbytes} bytes at {DevicePtr(address)!r}: not a chunk mapped there")
+            raise ChunkNotMapped(f"unmap_chunk of {nbytes} bytes at {DevicePtr(address)!r}: not a chunk mapped there")
         check(driver.cuMemUnmap(address, nbytes), "cuMemUnmap")
         del self._chunks[address]  # unmapped: the handle is all that is left to release
-        check(driver.cuMemRelease(chunk[1]), "cuMemRelease")
+        self._unreleased[address] = chunk
+        self._release_unmapped(driver, address, first=True)
+
+    def _release_unmapped(self, driver: Any, address: int, first: bool = False) -> None:
+        """`cuMemRelease` of the unmapped chunk at `address`; it stays recorded if that fails.
+        A retry (not `first`) that the driver refuses as an invalid handle means the earlier
+        release took effect before failing: the handle is gone, and forgotten."""
+        result = driver.cuMemRelease(self._unreleased[address][1])
+        if not first and int(getattr(result[0], "value", result[0])) == _CUDA_ERROR_INVALID_HANDLE:
+            del self._unreleased[address]
+            return
+        check(result, "cuMemRelease")
+        del self._unreleased[address]
+
+    def unreleased(self) -> int:
+        """How many unmapped chunks still wait for their `cuMemRelease` (a retry)."""
+        return len(self._unreleased)
 
     def release(self, driver: Any, ptr: DevicePtr) -> None:
         """Unmap every chunk still mapped in the reservation at `ptr`, then free the range;
@@ -146,6 +176,8 @@ class VirtualMemory:
         size = self._reservations.get(base)
         if size is None:
             raise DeviceMemoryError(f"release_address of {DevicePtr(base)!r}: not the start of a live reservation")
+        for address in sorted(a for a in self._unreleased if base <= a < base + size):
+            self._release_unmapped(driver, address)
         for address in sorted(a for a in self._chunks if base <= a < base + size):
             self.unmap(driver, DevicePtr(address), self._chunks[address][0])
         check(driver.cuMemAddressFree(base, size), "cuMemAddressFree")

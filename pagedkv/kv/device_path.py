@@ -282,10 +282,20 @@ class NonfiniteCounter:
         return count
 
     def free(self, gpu: Any) -> None:
-        """Free the words and their pinned read-back."""
-        try:
-            gpu.free(self.ptr)
-        finally:
-            if self._host is not None:
+        """Free the words and their pinned read-back (both attempted, the first error
+        raised); what was freed is forgotten, so a second call retries only what failed."""
+        first: BaseException | None = None
+        if self.ptr is not None:
+            try:
+                gpu.free(self.ptr)
+                self.ptr = None
+            except Exception as err:  # noqa: BLE001 - the read-back must still be attempted
+                first = err
+        if self._host is not None:
+            try:
                 self._host.free()
                 self._host = None
+            except Exception as err:  # noqa: BLE001
+                first = first or err
+        if first is not None:
+            raise first

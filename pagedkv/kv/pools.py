@@ -19,7 +19,7 @@ from ..core.config import MAX_NUM_BLOCKS, KvCacheConfig
 from ..core.log import get_logger
 from ..core.teardown import free_each
 from ..core.validate import block_index, positive_int
-from ..errors import KvCacheError
+from ..errors import ChunkNotMapped, DeviceOutOfMemory, KvCacheError
 
 _log = get_logger("pools")
 
@@ -179,7 +179,9 @@ class KvPools:
     def trim(self, keep_blocks: int) -> int:
         """Unmap every granule of every pool above what `keep_blocks` blocks (rounded up to a
         whole step) need; returns the resident count. Every pool is attempted; the first
-        backend error is raised after, with what stayed mapped still recorded."""
+        backend error is raised after. A granule whose unmap failed is no longer resident
+        (no block over it is handed out: the unmap may have taken effect) and is unmapped
+        again by the next `trim`, or by `grow` before it is mapped anew."""
         if not self._live or self._elastic is None:
             raise KvCacheError("trim needs live elastic pools")
         return self._elastic.trim(self._gpu, keep_blocks)
@@ -265,6 +267,13 @@ class ElasticMapping:
     bytes (3 and 5 granules), a step is 4 blocks; growing to 1 block maps granule 0 of each
     pool (resident = min(4096 // 512, 4096 // 1024) = 4); growing to 9 blocks maps 3 granules
     of the 512-byte pool (capped at its 3) and 3 of the other: resident 12.
+
+    A granule whose `map_chunk` or `unmap_chunk` failed (other than for lack of memory) is
+    "unsettled": the backend may or may not have it mapped (an unmap can fail after taking
+    effect). It never counts as resident, so no block over it is handed out; it is unmapped
+    again (a retry: success or ChunkNotMapped settles it) by the next `trim`, and by a `grow`
+    before it is mapped anew. Invariant: a pool's granules `[0, mapped)` are mapped, its
+    unsettled ones lie at or above `mapped`, every other one is unmapped.
     """
 
     def __init__(self, num_blocks: int, widest_stride: int, gpu: GpuBackend):
@@ -274,6 +283,7 @@ class ElasticMapping:
         self.step_blocks = max(1, self.granularity // widest_stride)
         self.resident = 0
         self._pools: list[list[int]] = []  # [base, stride, reserved granules, mapped granules]
+        self._unsettled: dict[int, set[int]] = {}  # pool base -> granules whose map/unmap failed
 
     def reserved_bytes(self, stride: int) -> int:
         """Bytes to reserve for a pool of `num_blocks` blocks of `stride` (whole granules)."""
@@ -287,7 +297,29 @@ class ElasticMapping:
     def forget_pool(self, base: DevicePtr) -> None:
         """Stop tracking the pool at `base` (its reservation was released)."""
         self._pools = [p for p in self._pools if p[0] != int(base)]
+        self._unsettled.pop(int(base), None)
         self.resident = 0
+
+    def unsettled(self) -> int:
+        """How many granules wait for a retried unmap (their map or unmap failed)."""
+        return sum(map(len, self._unsettled.values()))
+
+    def _doubt(self, pool: list[int], granule: int) -> None:
+        self._unsettled.setdefault(pool[0], set()).add(granule)
+
+    def _settle(self, gpu: GpuBackend, pool: list[int], granule: int) -> None:
+        """Unmap an unsettled granule again; it is settled when that works or the backend
+        says nothing is mapped there. Any other error is raised with it still unsettled."""
+        doubts = self._unsettled.get(pool[0])
+        if not doubts or granule not in doubts:
+            return
+        try:
+            gpu.unmap_chunk(DevicePtr(pool[0] + granule * self.granularity), self.granularity)
+        except ChunkNotMapped:
+            pass
+        doubts.discard(granule)
+        if not doubts:
+            del self._unsettled[pool[0]]
 
     def mapped_bytes(self) -> int:
         """Bytes mapped over every pool."""
@@ -317,7 +349,14 @@ class ElasticMapping:
         try:
             for pool in self._pools:
                 for granule in range(pool[3], self._need(pool, target)):
-                    gpu.map_chunk(DevicePtr(pool[0] + granule * g), g)
+                    self._settle(gpu, pool, granule)
+                    try:
+                        gpu.map_chunk(DevicePtr(pool[0] + granule * g), g)
+                    except DeviceOutOfMemory:
+                        raise  # nothing was created
+                    except BaseException:
+                        self._doubt(pool, granule)  # it may be mapped: unmapped before any reuse
+                        raise
                     pool[3] = granule + 1
                     done.append((pool, granule))
         except BaseException:
@@ -326,15 +365,15 @@ class ElasticMapping:
         return self._update_resident()
 
     def _undo(self, gpu: GpuBackend, done: list[tuple[list[int], int]]) -> None:
-        """Unmap what a failed `grow` mapped, last first; a granule whose unmap fails stays
-        mapped and recorded (with every granule below it)."""
+        """Unmap what a failed `grow` mapped, last first; a granule whose unmap fails is no
+        longer resident and stays unsettled (retried later)."""
         for pool, granule in reversed(done):
+            pool[3] = granule
             try:
                 gpu.unmap_chunk(DevicePtr(pool[0] + granule * self.granularity), self.granularity)
             except Exception as err:  # noqa: BLE001 - the growth error is the one to raise
+                self._doubt(pool, granule)
                 _log.error("kv_elastic_unmap_failed", pool=hex(pool[0]), granule=granule, error=str(err))
-                break
-            pool[3] = granule
         self._update_resident()
 
     def trim(self, gpu: GpuBackend, keep_blocks: int) -> int:
@@ -343,15 +382,21 @@ class ElasticMapping:
         g = self.granularity
         first: BaseException | None = None
         for pool in self._pools:
+            for granule in sorted(self._unsettled.get(pool[0], ())):
+                try:
+                    self._settle(gpu, pool, granule)
+                except Exception as err:  # noqa: BLE001 - every granule must be attempted
+                    first = first or err
+                    _log.error("kv_elastic_unmap_failed", pool=hex(pool[0]), granule=granule, error=str(err))
             keep = self._need(pool, target)
             while pool[3] > keep:
+                pool[3] -= 1  # not resident from here on, whatever the unmap says
                 try:
-                    gpu.unmap_chunk(DevicePtr(pool[0] + (pool[3] - 1) * g), g)
-                except Exception as err:  # noqa: BLE001 - every pool must be attempted
+                    gpu.unmap_chunk(DevicePtr(pool[0] + pool[3] * g), g)
+                except Exception as err:  # noqa: BLE001 - every granule must be attempted
                     first = first or err
-                    _log.error("kv_elastic_unmap_failed", pool=hex(pool[0]), granule=pool[3] - 1, error=str(err))
-                    break
-                pool[3] -= 1
+                    self._doubt(pool, pool[3])  # it may have been unmapped: retried, never used
+                    _log.error("kv_elastic_unmap_failed", pool=hex(pool[0]), granule=pool[3], error=str(err))
         self._update_resident()
         if first is not None:
             raise first

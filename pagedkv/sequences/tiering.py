@@ -80,14 +80,16 @@ class HostTiering:
         room = min(len(nodes), tier.num_free_blocks())
         dropped, demoted = nodes[: len(nodes) - room], nodes[len(nodes) - room :]
         hosts = tier.alloc(len(demoted))
+        handle = None
         try:
-            tier.swap_out([n.block for n in demoted], hosts, self.swap_stream).wait()
+            handle = tier.swap_out([n.block for n in demoted], hosts, self.swap_stream)
+            handle.wait()
         except ValueError as err:  # a tier format refused the values (NaN/inf on the host codecs): drop them
-            tier.free(hosts)
+            self._give_back(handle, hosts)
             _log.warning("prefix_cache_demotion_refused", blocks=len(demoted), error=str(err))
             dropped, demoted, hosts = nodes, [], []
         except BaseException:
-            tier.free(hosts)
+            self._give_back(handle, hosts)
             self._policy.unselect(chosen)
             raise
         blocks = [n.block for n in nodes]
@@ -254,6 +256,14 @@ class HostTiering:
         self._pinned.clear()
         return len(hosts)
 
+    def _give_back(self, handle: Any, hosts: list[int]) -> None:
+        """Free the host blocks of a failed demotion: at once when no copy is in flight,
+        else once the tier knows the copy is done (the tier keeps its handle)."""
+        if handle is None or handle.event() is None:
+            self.tier.free(hosts)
+        else:
+            self.tier.abandon(handle, hosts)
+
     def pin(self, found: Any) -> None:
         """Keep a reservation's host part from being dropped until `unpin`."""
         self._pinned.update(id(n) for n in getattr(found, "host_path", ()))
@@ -272,9 +282,13 @@ class HostTiering:
         if gpu is not None and gpu is not tier.gpu():
             raise ValueError("the sequence table's backend is not the host tier's")
         handle = tier.swap_in([n.lower for n in nodes], blocks, stream)
-        if wait:
-            handle.wait()
-        self.to_device(nodes, blocks, after=handle)
+        try:
+            if wait:
+                handle.wait()
+            self.to_device(nodes, blocks, after=handle)
+        except BaseException:
+            tier.keep(handle)  # its event is destroyed by the tier's release at the latest
+            raise
         self._cache.inc_refs(blocks)  # after the step that can fail: the caller frees `blocks` once
         self.unpin(found)
         found.path = found.path + nodes

@@ -78,8 +78,8 @@ class SwapHandle:
     close = wait
 
     def _destroy(self) -> None:
-        event, self._event = self._event, None
-        self._gpu.destroy_event(event)
+        self._gpu.destroy_event(self._event)  # first: a refused destroy keeps the event for a retry
+        self._event = None
 
     def __repr__(self) -> str:
         return f"SwapHandle({self.blocks} blocks, {'done' if self._event is None else 'pending'})"
@@ -135,6 +135,7 @@ class HostTier:
         self._allocated = np.zeros(self._num_blocks, dtype=bool)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._pending: list[tuple[SwapHandle, list[int]]] = []  # freed once their swap is done
+        self._orphans: list[Any] = []  # events whose destroy failed, handles given to `keep`: release retries
         self._live = True
         _log.info("host_tier_allocated", blocks=self._num_blocks, rows=len(self._memories),
                   bytes=int(self._strides.sum()) * self._num_blocks)
@@ -223,17 +224,33 @@ class HostTier:
             for block in blocks:
                 heapq.heappush(self._free, block)
 
+    def abandon(self, handle: SwapHandle, blocks: Sequence[int]) -> None:
+        """Give back allocated host blocks that a swap whose completion could not be
+        established (its `wait` or `done` raised) may still touch: they leave the LRU now and
+        become free once `handle` is known done; the tier keeps the handle (and its event)
+        and retries it at every `alloc` that needs them and at `release`."""
+        blocks = self._host_blocks(blocks, "abandon")
+        self._check_allocated(blocks, "abandon of")
+        for block in blocks:
+            self._lru.pop(block, None)
+        self._allocated[blocks] = False
+        self._pending.append((handle, list(blocks)))
+
     def _reap(self, wait: bool) -> None:
-        kept = []
-        for handle, blocks in self._pending:
+        """Free the blocks of the pending swaps that are done (waiting for each when `wait`).
+        Exception-safe: what was reaped before a wait or poll raises is off the list, the
+        swap that raised and the ones after it stay pending."""
+        pending, i = self._pending, 0
+        while i < len(pending):
+            handle, blocks = pending[i]
             if wait:
                 handle.wait()
             if handle.done():
+                del pending[i]
                 for block in blocks:
                     heapq.heappush(self._free, block)
             else:
-                kept.append((handle, blocks))
-        self._pending = kept
+                i += 1
 
     # -- the LRU of cached host blocks --------------------------------------------------
 
@@ -321,12 +338,24 @@ class HostTier:
         if self._codec is not None:
             self._wait_for(after, stream)
             self._codec.swap(device, host, self._host_bases, self._strides, stream, to_host)
-            return SwapHandle(gpu, gpu.record_event(stream), len(device))
+            return self._handle(stream, len(device))
         device_addr, host_addr, sizes = self.descriptors(device, host)
         dsts, srcs = (host_addr, device_addr) if to_host else (device_addr, host_addr)
         self._wait_for(after, stream)
         gpu.copy_batch_async(dsts, srcs, sizes, stream)
-        return SwapHandle(gpu, gpu.record_event(stream), len(device))
+        return self._handle(stream, len(device))
+
+    def _handle(self, stream: Any, blocks: int) -> SwapHandle:
+        """The handle of the swap just enqueued on `stream`. Without an event (record_event
+        failed) nothing could tell when the copy is done, so the stream is waited for before
+        the error is raised: the blocks it touches are then safe to reuse."""
+        gpu = self._gpu
+        try:
+            event = gpu.record_event(stream)
+        except BaseException:
+            gpu.synchronize(stream)
+            raise
+        return SwapHandle(gpu, event, blocks)
 
     def _wait_for(self, after: Any, stream: Any) -> None:
         """Make `stream` wait for `after`: a SwapHandle, an Event, or a stream."""
@@ -346,7 +375,24 @@ class HostTier:
         try:
             gpu.stream_wait_event(stream, event)
         finally:
-            gpu.destroy_event(event)
+            self._destroy_event(event)
+
+    def _destroy_event(self, event: int) -> None:
+        """Destroy an event of the tier's own; one the backend refuses is kept and retried
+        by `release` (the refusal is raised)."""
+        try:
+            self._gpu.destroy_event(event)
+        except BaseException:
+            self._orphans.append(event)
+            raise
+
+    def keep(self, handle: SwapHandle) -> None:
+        """Hand the tier a swap whose completion could not be waited for (its `wait` or
+        `done` raised): `release` waits for it and destroys its event, so it cannot leak."""
+        if not isinstance(handle, SwapHandle):
+            raise TypeError(f"keep takes a SwapHandle, got {type(handle).__name__}")
+        if handle.event() is not None:
+            self._orphans.append(handle)
 
     def descriptors(self, device: Sequence[int], host: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(device addresses, host addresses, sizes) of the ranges one swap of the pairs
@@ -420,17 +466,27 @@ class HostTier:
         if gpu is not self._gpu:
             raise ValueError(f"release with {type(gpu).__name__} {gpu!r:.60}: the host tier is on "
                              f"{type(self._gpu).__name__} {self._gpu!r:.60}")
-        if not self._memories and not self._live:
+        if not self._memories and not self._live and not self._orphans:
             return
         if self._live:
             self._reap(wait=True)
             self._live = False
             self._lru.clear()
             self._free = []
+        self._orphans, failed = free_each(self._orphans, self._end_orphan, _log, "host_tier_event_destroy_failed",
+                                          field="orphan")
         if self._codec is not None:
             self._codec.release(gpu)
             self._codec = None
         self._free_memories(raise_first=True)
+        if failed is not None:
+            raise failed
+
+    def _end_orphan(self, orphan: Any) -> None:
+        if isinstance(orphan, SwapHandle):
+            orphan.wait()  # waits, then destroys the event (kept if either fails)
+        else:
+            self._gpu.destroy_event(orphan)
 
     def _free_memories(self, raise_first: bool) -> None:
         self._memories, first = free_each(self._memories, lambda m: m.free(), _log, "host_tier_free_failed", field="memory")

@@ -48,7 +48,27 @@ def test_continues_past_failures_and_reports_each():
     assert str(info.value) == "2 resource(s) failed to release: d: bad pointer 0x10; b: device lost"
     assert [(label, type(err)) for label, err in info.value.failures] == [("d", ValueError), ("b", RuntimeError)]
     assert [(e["event"], e["resource"]) for e in logs] == [("resource_release_failed", "d"), ("resource_release_failed", "b")]
-    assert len(t) == 0
+    assert len(t) == 2  # the two that failed stay registered for a retry
+
+
+def test_a_failed_release_stays_registered_and_a_retry_releases_just_it():
+    journal = []
+    t = Teardown()
+    t.push(Resource("a", journal))
+    flaky = Resource("b", journal, RuntimeError("busy"))
+    t.push(flaky)
+    t.push(Resource("c", journal, OSError("gone")))
+    with pytest.raises(TeardownError):
+        t.release_all(None)
+    assert len(t) == 2
+    flaky.error = None
+    with pytest.raises(TeardownError, match=r"^1 resource\(s\) failed to release: c: gone$"):
+        t.release_all(None)  # reverse order again: c, then b
+    assert [name for name, _ in journal] == ["c", "b", "a", "c", "b"]
+    assert len(t) == 1
+    t._resources[0].error = None
+    t.release_all(None)
+    assert len(t) == 0 and [name for name, _ in journal][-1] == "c"
 
 
 def test_one_failure_message():
