@@ -34,9 +34,13 @@ import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
 from ..cache.paged_cache import PagedKvCache
+from ..core.dtype import KvCacheDtype, side_bytes
+from ..core.layout import SideLayout
 from ..core.log import get_logger
 from ..core.validate import block_list
 from ..errors import KvCacheError, PagedKvError
+from . import head_plan
+from .head_plan import PoolGeometry, block_runs  # noqa: F401 - block_runs is this module's API too
 
 _log = get_logger("transfer")
 
@@ -46,8 +50,9 @@ INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1"
 METADATA_MAGIC = b"pagedkv-kvtransfer\x00"
 """The first bytes of every `KvTransfer.metadata()` blob."""
 
-LAYOUT_VERSION = 1
-"""Bumped whenever the layout description changes; peers of different versions refuse each other."""
+LAYOUT_VERSION = 2
+"""Bumped whenever the layout description changes; peers of different versions refuse each other
+(2: block layout, TP placement and the sliding window joined the description)."""
 
 FORMATS_VERSION = 1
 """The version of docs/FORMATS.md (the byte contract both sides' blocks follow)."""
@@ -96,18 +101,24 @@ def load_nixl() -> Any:
 
 
 def layout_of(cache: Any) -> dict:
-    """The layout description two caches must share to exchange blocks: the byte-format
-    versions, block size, layer count, V aliasing, and per layer its format, dims and K/V
-    strides. The block count is not part of it (the two caches may differ in size), nor the
-    sliding window (it does not change a block's bytes)."""
+    """The layout description two caches must agree on to exchange blocks: the byte-format
+    versions, block size, layer count, V aliasing, sliding window (`window`, in blocks, or
+    None), block layout (`block_layout`, NHD or HND), TP placement (`tp_rank`, `tp_size`),
+    and per layer its format, local and global heads, first global head, replication,
+    head_dim and K/V strides. The block count is not part of it (the two caches may differ
+    in size)."""
     config = cache.config()
     pools = cache.pools()
     layers = []
     for layer in range(config.num_layers):
         heads, head_dim = config.dims_for_layer(layer)
+        start, _, global_heads = config.head_range(layer)
         layers.append({
             "dtype": str(config.dtype_for_layer(layer)),
             "num_kv_heads": heads,
+            "global_heads": global_heads,
+            "head_start": start,
+            "replicated": config.v_aliases_k,
             "head_dim": head_dim,
             "k_stride": pools.k_stride(layer),
             "v_stride": pools.v_stride(layer),
@@ -118,6 +129,10 @@ def layout_of(cache: Any) -> dict:
         "block_size": config.block_size,
         "num_layers": config.num_layers,
         "v_aliases_k": config.v_aliases_k,
+        "window": config.cache_blocks_per_seq,
+        "block_layout": config.layout,
+        "tp_rank": config.tp_rank,
+        "tp_size": config.tp_size,
         "layers": layers,
     }
 
@@ -128,16 +143,69 @@ def fingerprint(layout: dict) -> str:
 
 
 def layout_differences(mine: dict, theirs: dict) -> list[str]:
-    """Every difference between two layout descriptions, as `what: here X, peer Y` lines
-    (empty when they are the same)."""
+    """Every difference between two layout descriptions that a transfer cannot map, as
+    `what: here X, peer Y` lines (empty when blocks can move between them). The block
+    layout (NHD/HND) and the TP placement may differ: blocks are split and gathered by head.
+    Between the same TP sizes every layer's local heads and strides must match; between
+    different ones the global heads and the bytes per head."""
     out = []
-    for key in ("layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k"):
+    for key in ("layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k", "window"):
         if mine.get(key) != theirs.get(key):
             out.append(f"{key}: here {mine.get(key)!r}, peer {theirs.get(key)!r}")
+    same_tp = mine.get("tp_size") == theirs.get("tp_size")
+    keys = ("dtype", "num_kv_heads", "head_dim", "k_stride", "v_stride") if same_tp else (
+        "dtype", "global_heads", "head_dim", "k_head_bytes", "v_head_bytes")
     for layer, (a, b) in enumerate(zip(mine.get("layers", []), theirs.get("layers", []))):
-        for key in ("dtype", "num_kv_heads", "head_dim", "k_stride", "v_stride"):
-            if a.get(key) != b.get(key):
-                out.append(f"layer {layer} {key}: here {a.get(key)!r}, peer {b.get(key)!r}")
+        for key in keys:
+            here, peer = _layer_field(a, key), _layer_field(b, key)
+            if here != peer:
+                out.append(f"layer {layer} {key}: here {here!r}, peer {peer!r}")
+    return out
+
+
+def _layer_field(layer: dict, key: str) -> object:
+    if key in ("k_head_bytes", "v_head_bytes"):
+        stride, heads = layer.get(key[0] + "_stride"), layer.get("num_kv_heads")
+        return stride // heads if isinstance(stride, int) and isinstance(heads, int) and heads > 0 else None
+    return layer.get(key)
+
+
+def layout_lies(layout: dict) -> list[str]:
+    """Where a layout description contradicts itself: a stride that its layer's format,
+    heads, head_dim and block size do not give, or a head range outside its global heads
+    (a peer whose metadata was edited, or that lies about its pools). Empty when consistent."""
+    out = []
+    block_size = layout.get("block_size")
+    try:
+        for layer, entry in enumerate(layout.get("layers", [])):
+            k_fmt, v_fmt = KvCacheDtype.parse(entry["dtype"]).kv_pair()
+            n = int(block_size) * int(entry["num_kv_heads"]) * int(entry["head_dim"])
+            want_v = side_bytes(k_fmt if layout.get("v_aliases_k") else v_fmt, n)
+            for side, want in (("k_stride", side_bytes(k_fmt, n)), ("v_stride", want_v)):
+                if entry.get(side) != want:
+                    out.append(f"layer {layer} {side} is {entry.get(side)!r} but {entry['dtype']} x "
+                               f"{entry['num_kv_heads']} heads x {entry['head_dim']} in blocks of {block_size} "
+                               f"takes {want}")
+            start, heads, total = int(entry["head_start"]), int(entry["num_kv_heads"]), int(entry["global_heads"])
+            if start < 0 or start + heads > total:
+                out.append(f"layer {layer} holds heads [{start}, {start + heads}) of {total}")
+    except (KeyError, TypeError, ValueError) as err:
+        out.append(f"broken layer description: {type(err).__name__}: {err}")
+    return out
+
+
+def pool_geometries(layout: dict) -> list[PoolGeometry]:
+    """The pools a layout description implies, K then V per layer (K only under V aliasing)."""
+    out = []
+    for entry in layout["layers"]:
+        k_fmt, v_fmt = KvCacheDtype.parse(entry["dtype"]).kv_pair()
+        sides = [(k_fmt, entry["k_stride"])]
+        if not layout["v_aliases_k"]:
+            sides.append((v_fmt, entry["v_stride"]))
+        for fmt, stride in sides:
+            geometry = SideLayout(fmt, layout["block_size"], entry["num_kv_heads"], entry["head_dim"],
+                                  layout.get("block_layout", "NHD"))
+            out.append(PoolGeometry(geometry, entry["head_start"], bool(entry["replicated"]), stride))
     return out
 
 
@@ -153,26 +221,20 @@ class _Pool:
 
 @dataclass(frozen=True)
 class _Peer:
-    """What `connect` learned about a peer."""
+    """What `connect` learned about a peer: its pools, and per pool pair the plan of a
+    block sent to it (`send_plans`) and read from it (`pull_plans`): (local base, remote
+    base, local geometry, remote geometry, template)."""
 
     name: str
     num_blocks: int
     mem_type: str
     device_id: int
     pools: tuple
-
-
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) runs covering the pairs `zip(src, dst)`, ordered by
-    destination, where a run is a stretch of pairs whose sources and destinations both go up
-    by one. Example: src [9, 4, 5], dst [7, 0, 1] gives [(4, 0, 2), (9, 7, 1)]."""
-    runs: list[list[int]] = []
-    for d, s in sorted(zip(dst, src)):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+    tp_rank: int
+    tp_size: int
+    send_plans: tuple
+    pull_plans: tuple
+    info: dict
 
 
 def _blocks(blocks: object, num_blocks: int, what: str, whose: str) -> list[int]:
@@ -343,8 +405,11 @@ class KvTransfer:
 
     def connect(self, peer_metadata: bytes) -> str:
         """Load a peer's `metadata()` and return its name. The layout is checked first:
-        LayoutMismatch listing every difference (formats, dims, strides, block size, ...)
-        with nothing loaded. ValueError for a blob that is not KvTransfer metadata, for this
+        LayoutMismatch listing every difference a transfer cannot map (formats, dims,
+        strides, block size, window, global heads, ...; see `layout_differences`) or every
+        place the peer's description contradicts itself or its pools (`layout_lies`), with
+        nothing loaded. The block layout and TP placement may differ: blocks are then split
+        or gathered by head. ValueError for a blob that is not KvTransfer metadata, for this
         agent's own name, or for a name already connected."""
         self._check_open()
         info, nixl_md = self._parse_metadata(peer_metadata)
@@ -353,6 +418,9 @@ class KvTransfer:
             raise ValueError(f"peer metadata names this agent itself ({name!r})")
         if name in self._peers:
             raise ValueError(f"peer {name!r} is already connected (disconnect it first)")
+        lies = layout_lies(info["layout"])
+        if lies:
+            raise LayoutMismatch(f"peer {name!r} describes a layout that contradicts itself: " + "; ".join(lies))
         diffs = layout_differences(self._layout, info["layout"])
         if diffs:
             raise LayoutMismatch(
@@ -368,21 +436,42 @@ class KvTransfer:
         if loaded != name:
             self._agent.remove_remote_agent(loaded)
             raise ValueError(f"peer metadata names {name!r} but its NIXL part names {loaded!r}")
-        self._peers[name] = _Peer(name, int(info["num_blocks"]), str(info["mem_type"]),
-                                  int(info["device_id"]), pools)
+        self._peers[name] = self._make_peer(name, info, pools)
         _log.debug("kv_transfer_connected", name=self.name, peer=name, peer_blocks=info["num_blocks"])
         return name
 
     def _peer_pools(self, name: str, info: dict) -> tuple:
-        """The peer's pools, which must be this side's (layer, side, stride) in order."""
+        """The peer's pools, which must be the (layer, side, stride) its layout describes, in order."""
         try:
             pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
-        mine = [(p.layer, p.side, p.stride) for p in self._pools]
-        if [(p.layer, p.side, p.stride) for p in pools] != mine:
+        layout = info["layout"]
+        described = []
+        for layer, entry in enumerate(layout["layers"]):
+            described.append((layer, "K", entry["k_stride"]))
+            if not layout["v_aliases_k"]:
+                described.append((layer, "V", entry["v_stride"]))
+        if [(p.layer, p.side, p.stride) for p in pools] != described:
             raise ValueError(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
         return pools
+
+    def _make_peer(self, name: str, info: dict, pools: tuple) -> _Peer:
+        """The peer with its send and pull plans (pagedkv.tiers.head_plan)."""
+        layout = info["layout"]
+        rank, size = int(layout.get("tp_rank", 0)), int(layout.get("tp_size", 1))
+        mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
+        my_rank, my_size = self._layout["tp_rank"], self._layout["tp_size"]
+        sends_replicas = my_rank == head_plan.replica_sender(rank, my_size, size)
+        pulls_replicas = rank == head_plan.replica_sender(my_rank, size, my_size)
+        send, pull = [], []
+        for here, there, m, t in zip(self._pools, pools, mine, theirs):
+            out = head_plan.block_template(m, t) if (sends_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
+            back = head_plan.block_template(t, m) if (pulls_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
+            send.append((here.address, there.address, m, t, out))
+            pull.append((there.address, here.address, t, m, back))
+        return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
+                     rank, size, tuple(send), tuple(pull), info)
 
     @staticmethod
     def _parse_metadata(blob: object) -> tuple[dict, bytes]:
@@ -452,8 +541,7 @@ class KvTransfer:
             raise ValueError(f"source block {free} is free (send only blocks the cache holds)")
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
-        runs = block_runs(src, dst)
-        local, remote = self._descriptors(info, runs)
+        local, remote = self._descriptors(info, info.send_plans, src, dst)
         nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
         nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)
         try:
@@ -477,20 +565,29 @@ class KvTransfer:
                    descriptors=len(local), bytes=handle.nbytes, state=state)
         return handle
 
-    def _descriptors(self, peer: _Peer, runs: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(local, remote) Nx3 uint64 arrays of (address, bytes, device) per pool and run."""
-        rows = len(self._pools) * len(runs)
-        local = np.empty((rows, 3), dtype=np.uint64)
-        remote = np.empty((rows, 3), dtype=np.uint64)
-        run = np.array(runs, dtype=np.uint64).reshape(-1, 3)
-        for i, (mine, theirs) in enumerate(zip(self._pools, peer.pools)):
-            part = slice(i * len(runs), (i + 1) * len(runs))
-            stride = np.uint64(mine.stride)
-            local[part, 0] = np.uint64(mine.address) + run[:, 0] * stride
-            remote[part, 0] = np.uint64(theirs.address) + run[:, 1] * stride
-            local[part, 1] = remote[part, 1] = run[:, 2] * stride
-            local[part, 2] = self._device_id
-            remote[part, 2] = peer.device_id
+    def _descriptors(self, peer: _Peer, plans: tuple, local_blocks: list[int],
+                     remote_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) Nx3 uint64 arrays of (address, bytes, device): per pool pair and
+        block pair, the byte runs of the heads both sides hold (`head_plan`), consecutive
+        whole blocks merged. ValueError naming both head ranges when they share none."""
+        if plans is peer.send_plans:
+            src_rows, dst_rows = head_plan.descriptors(list(plans), local_blocks, remote_blocks)
+            local_rows, remote_rows = src_rows, dst_rows
+        else:
+            src_rows, dst_rows = head_plan.descriptors(list(plans), remote_blocks, local_blocks)
+            local_rows, remote_rows = dst_rows, src_rows
+        if local_rows.shape[0] == 0:
+            mine, theirs = self._layout["layers"][0], peer.info["layout"]["layers"][0]
+            raise ValueError(
+                f"peer {peer.name!r} (TP rank {peer.tp_rank} of {peer.tp_size}, layer 0 heads "
+                f"[{theirs['head_start']}, {theirs['head_start'] + theirs['num_kv_heads']})) shares no head with this "
+                f"cache (TP rank {self._layout['tp_rank']} of {self._layout['tp_size']}, layer 0 heads "
+                f"[{mine['head_start']}, {mine['head_start'] + mine['num_kv_heads']})): nothing to move"
+            )
+        local = np.empty((local_rows.shape[0], 3), dtype=np.uint64)
+        remote = np.empty_like(local)
+        local[:, :2], remote[:, :2] = local_rows, remote_rows
+        local[:, 2], remote[:, 2] = self._device_id, peer.device_id
         return local, remote
 
     def _poll(self, request: Any) -> str:

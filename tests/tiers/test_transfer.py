@@ -275,8 +275,8 @@ def test_metadata_that_does_not_describe_its_pools_is_refused(local):
                 transfer.connect(edited(md, lambda info: info["pools"].pop()))
             with pytest.raises(ValueError, match="peer_metadata lacks one of name, num_blocks"):
                 transfer.connect(edited(md, lambda info: info.pop("num_blocks")))
-            with pytest.raises(ValueError, match="layout version 2 is not 1"):
-                transfer.connect(edited(md, lambda info: info["layout"].update(layout_version=2)))
+            with pytest.raises(ValueError, match="layout version 1 is not 2"):
+                transfer.connect(edited(md, lambda info: info["layout"].update(layout_version=1)))
             assert transfer.peers() == []
             assert transfer.connect(md) == "there"
             with pytest.raises(ValueError, match="peer 'there' is already connected"):
