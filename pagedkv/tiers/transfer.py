@@ -21,26 +21,41 @@ does not import).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
 from ..cache.paged_cache import PagedKvCache
-from ..core.dtype import KvCacheDtype, side_bytes
-from ..core.layout import SideLayout
 from ..core.log import get_logger
-from ..core.validate import block_list
-from ..errors import KvCacheError, PagedKvError
+from ..errors import KvCacheError
 from . import head_plan
-from .head_plan import PoolGeometry, block_runs  # noqa: F401 - block_runs is this module's API too
+from . import leases as pull_leases
+from .pull_mode import PullMode, blocks_of as _blocks
+from .head_plan import block_runs  # noqa: F401 - re-exported: this module's API before head_plan
+from .transfer_errors import (  # noqa: F401 - re-exported: the transfer API's errors
+    LayoutMismatch,
+    LeaseExpired,
+    NixlUnavailable,
+    TransferError,
+    TransferTimeout,
+    UnknownPeer,
+)
+from .transfer_layout import (  # noqa: F401 - re-exported
+    FORMATS_VERSION,
+    LAYOUT_VERSION,
+    fingerprint,
+    layout_differences,
+    layout_lies,
+    layout_of,
+    pool_geometries,
+)
 
 _log = get_logger("transfer")
 
@@ -50,34 +65,8 @@ INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1"
 METADATA_MAGIC = b"pagedkv-kvtransfer\x00"
 """The first bytes of every `KvTransfer.metadata()` blob."""
 
-LAYOUT_VERSION = 2
-"""Bumped whenever the layout description changes; peers of different versions refuse each other
-(2: block layout, TP placement and the sliding window joined the description)."""
-
-FORMATS_VERSION = 1
-"""The version of docs/FORMATS.md (the byte contract both sides' blocks follow)."""
 
 _NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-
-
-class NixlUnavailable(PagedKvError, ImportError):
-    """NIXL's Python API cannot be imported; the message says how to install it."""
-
-
-class TransferError(PagedKvError, RuntimeError):
-    """A KV transfer was refused or failed; the message names the peer and what went wrong."""
-
-
-class LayoutMismatch(TransferError, ValueError):
-    """A peer's cache layout differs from this one; the message lists every difference."""
-
-
-class UnknownPeer(TransferError, LookupError):
-    """A peer name that `connect` never returned (or one already disconnected)."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """A wait ran past its timeout; the transfer (if any) is still in flight and may be waited on again."""
 
 
 def load_nixl() -> Any:
@@ -98,115 +87,6 @@ def load_nixl() -> Any:
         f"KvTransfer needs NIXL's Python API; install it with `{INSTALL_HINT}` "
         f"(tried {'; '.join(errors)})"
     )
-
-
-def layout_of(cache: Any) -> dict:
-    """The layout description two caches must agree on to exchange blocks: the byte-format
-    versions, block size, layer count, V aliasing, sliding window (`window`, in blocks, or
-    None), block layout (`block_layout`, NHD or HND), TP placement (`tp_rank`, `tp_size`),
-    and per layer its format, local and global heads, first global head, replication,
-    head_dim and K/V strides. The block count is not part of it (the two caches may differ
-    in size)."""
-    config = cache.config()
-    pools = cache.pools()
-    layers = []
-    for layer in range(config.num_layers):
-        heads, head_dim = config.dims_for_layer(layer)
-        start, _, global_heads = config.head_range(layer)
-        layers.append({
-            "dtype": str(config.dtype_for_layer(layer)),
-            "num_kv_heads": heads,
-            "global_heads": global_heads,
-            "head_start": start,
-            "replicated": config.v_aliases_k,
-            "head_dim": head_dim,
-            "k_stride": pools.k_stride(layer),
-            "v_stride": pools.v_stride(layer),
-        })
-    return {
-        "layout_version": LAYOUT_VERSION,
-        "formats_version": FORMATS_VERSION,
-        "block_size": config.block_size,
-        "num_layers": config.num_layers,
-        "v_aliases_k": config.v_aliases_k,
-        "window": config.cache_blocks_per_seq,
-        "block_layout": config.layout,
-        "tp_rank": config.tp_rank,
-        "tp_size": config.tp_size,
-        "layers": layers,
-    }
-
-
-def fingerprint(layout: dict) -> str:
-    """A short stable hash of a layout description (what logs and error messages show)."""
-    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def layout_differences(mine: dict, theirs: dict) -> list[str]:
-    """Every difference between two layout descriptions that a transfer cannot map, as
-    `what: here X, peer Y` lines (empty when blocks can move between them). The block
-    layout (NHD/HND) and the TP placement may differ: blocks are split and gathered by head.
-    Between the same TP sizes every layer's local heads and strides must match; between
-    different ones the global heads and the bytes per head."""
-    out = []
-    for key in ("layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k", "window"):
-        if mine.get(key) != theirs.get(key):
-            out.append(f"{key}: here {mine.get(key)!r}, peer {theirs.get(key)!r}")
-    same_tp = mine.get("tp_size") == theirs.get("tp_size")
-    keys = ("dtype", "num_kv_heads", "head_dim", "k_stride", "v_stride") if same_tp else (
-        "dtype", "global_heads", "head_dim", "k_head_bytes", "v_head_bytes")
-    for layer, (a, b) in enumerate(zip(mine.get("layers", []), theirs.get("layers", []))):
-        for key in keys:
-            here, peer = _layer_field(a, key), _layer_field(b, key)
-            if here != peer:
-                out.append(f"layer {layer} {key}: here {here!r}, peer {peer!r}")
-    return out
-
-
-def _layer_field(layer: dict, key: str) -> object:
-    if key in ("k_head_bytes", "v_head_bytes"):
-        stride, heads = layer.get(key[0] + "_stride"), layer.get("num_kv_heads")
-        return stride // heads if isinstance(stride, int) and isinstance(heads, int) and heads > 0 else None
-    return layer.get(key)
-
-
-def layout_lies(layout: dict) -> list[str]:
-    """Where a layout description contradicts itself: a stride that its layer's format,
-    heads, head_dim and block size do not give, or a head range outside its global heads
-    (a peer whose metadata was edited, or that lies about its pools). Empty when consistent."""
-    out = []
-    block_size = layout.get("block_size")
-    try:
-        for layer, entry in enumerate(layout.get("layers", [])):
-            k_fmt, v_fmt = KvCacheDtype.parse(entry["dtype"]).kv_pair()
-            n = int(block_size) * int(entry["num_kv_heads"]) * int(entry["head_dim"])
-            want_v = side_bytes(k_fmt if layout.get("v_aliases_k") else v_fmt, n)
-            for side, want in (("k_stride", side_bytes(k_fmt, n)), ("v_stride", want_v)):
-                if entry.get(side) != want:
-                    out.append(f"layer {layer} {side} is {entry.get(side)!r} but {entry['dtype']} x "
-                               f"{entry['num_kv_heads']} heads x {entry['head_dim']} in blocks of {block_size} "
-                               f"takes {want}")
-            start, heads, total = int(entry["head_start"]), int(entry["num_kv_heads"]), int(entry["global_heads"])
-            if start < 0 or start + heads > total:
-                out.append(f"layer {layer} holds heads [{start}, {start + heads}) of {total}")
-    except (KeyError, TypeError, ValueError) as err:
-        out.append(f"broken layer description: {type(err).__name__}: {err}")
-    return out
-
-
-def pool_geometries(layout: dict) -> list[PoolGeometry]:
-    """The pools a layout description implies, K then V per layer (K only under V aliasing)."""
-    out = []
-    for entry in layout["layers"]:
-        k_fmt, v_fmt = KvCacheDtype.parse(entry["dtype"]).kv_pair()
-        sides = [(k_fmt, entry["k_stride"])]
-        if not layout["v_aliases_k"]:
-            sides.append((v_fmt, entry["v_stride"]))
-        for fmt, stride in sides:
-            geometry = SideLayout(fmt, layout["block_size"], entry["num_kv_heads"], entry["head_dim"],
-                                  layout.get("block_layout", "NHD"))
-            out.append(PoolGeometry(geometry, entry["head_start"], bool(entry["replicated"]), stride))
-    return out
 
 
 @dataclass(frozen=True)
@@ -235,14 +115,6 @@ class _Peer:
     send_plans: tuple
     pull_plans: tuple
     info: dict
-
-
-def _blocks(blocks: object, num_blocks: int, what: str, whose: str) -> list[int]:
-    """`validate.block_list`, with the argument and the cache it indexes named in an IndexError."""
-    try:
-        return block_list(blocks, num_blocks, what)
-    except IndexError as err:
-        raise IndexError(f"{what}: {err} ({whose})") from None
 
 
 class TransferHandle:
@@ -303,16 +175,18 @@ class TransferHandle:
         self._request = None
 
 
-class KvTransfer:
+class KvTransfer(PullMode):
     """A NIXL agent named `name` with every pool of `cache` (a PagedKvCache on `gpu`)
     registered: VRAM of `gpu.device_ordinal` on a "device:cuda" backend, DRAM on a
     "device:cpu" one (through `gpu.view` when it states "host_view", as HostBackend does:
     its pointers are not host addresses). Elastic caches are refused (their memory is mapped
     later). `backends` are the NIXL backend plugins the agent creates (UCX by default).
     Construction is all or nothing. Use one from one thread; `close()` (or a `with` block)
-    deregisters, and must come before the cache is released."""
+    deregisters (and releases open leases), and must come before the cache is released.
+    `clock` (wall-clock seconds, `time.time`) dates pull leases (pagedkv.tiers.leases)."""
 
-    def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
+    def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",),
+                 clock: Callable[[], float] = time.time):
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if not isinstance(name, str) or not name or "\x00" in name:
@@ -342,12 +216,18 @@ class KvTransfer:
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
         self._registered = None
+        self._lease_registered = None
+        self._leases = pull_leases.LeaseTable(clock)
         config = nixl.nixl_agent_config(backends=list(backends))
         self._agent = nixl.nixl_agent(name, config)
         try:
             regions = [(p.address, self._num_blocks * p.stride, self._device_id, "") for p in self._pools]
             self._registered = self._agent.register_memory(regions, self._mem_type)
+            words = [(self._leases.address(), self._leases.words.nbytes, 0, "")]
+            self._lease_registered = self._agent.register_memory(words, "DRAM")
         except BaseException:
+            if self._registered is not None:
+                self._agent.deregister_memory(self._registered)
             self._agent = None
             self._closed = True
             raise
@@ -395,6 +275,7 @@ class KvTransfer:
             "device_id": self._device_id,
             "layout": self._layout,
             "pools": [[p.layer, p.side, p.address, p.stride] for p in self._pools],
+            "leases": self._leases.address(),
         }
         text = json.dumps(info, sort_keys=True).encode()
         return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + self._agent.get_agent_metadata()
@@ -486,7 +367,8 @@ class KvTransfer:
             info = json.loads(blob[head + 8 : head + 8 + size])
         except ValueError as err:
             raise ValueError(f"peer_metadata has a broken layout description: {err}") from None
-        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list}
+        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list,
+                  "leases": int}
         if not isinstance(info, dict) or any(not isinstance(info.get(k), t) for k, t in fields.items()):
             raise ValueError(f"peer_metadata lacks one of {', '.join(fields)}")
         if info["layout"].get("layout_version") != LAYOUT_VERSION:
@@ -605,11 +487,18 @@ class KvTransfer:
     # -- notifications ----------------------------------------------------------------
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        """Every (peer name, message) that arrived since the last call, oldest first per peer."""
+        """Every (peer name, message) that arrived since the last call, oldest first per peer.
+        A puller's completion of a lease is handled here (the lease's blocks are freed, no
+        message is returned), and expired leases are released (`expire_leases`)."""
         self._check_open()
         for peer, messages in self._agent.get_new_notifs().items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-            self._inbox.extend((peer, bytes(m)) for m in messages)
+            for message in map(bytes, messages):
+                if message.startswith(pull_leases.DONE_MAGIC):
+                    self._lease_done(peer, message[len(pull_leases.DONE_MAGIC):])
+                else:
+                    self._inbox.append((peer, message))
+        self.expire_leases()
         out, self._inbox = self._inbox, []
         return out
 
@@ -648,8 +537,11 @@ class KvTransfer:
         first: BaseException | None = None
         steps = [lambda r=r: self._agent.release_xfer_handle(r) for r in self._requests.values()]
         steps += [lambda p=p: self._agent.remove_remote_agent(p) for p in self._peers]
+        steps += [lambda i=i: self._release_lease(i, "closed") for i in self._leases.open_ids()]
         if self._registered is not None:
             steps.append(lambda: self._agent.deregister_memory(self._registered))
+        if self._lease_registered is not None:
+            steps.append(lambda: self._agent.deregister_memory(self._lease_registered))
         for step in steps:
             try:
                 step()
@@ -658,7 +550,7 @@ class KvTransfer:
                 _log.error("kv_transfer_close_failed", name=self.name, error=f"{type(err).__name__}: {err}")
         self._requests.clear()
         self._peers.clear()
-        self._registered = None
+        self._registered = self._lease_registered = None
         self._agent = None
         self._views = []
         if first is not None:
