@@ -424,9 +424,14 @@ def test_the_transfer_bench_runs_at_smoke_size(monkeypatch, capsys):
     bench_transfer.run(argparse.Namespace(gpu=False, quick=True))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "  backend: HostBackend (DRAM); 32 blocks x 8 layers, 16 MiB a transfer"
-    assert [line.split()[:2] for line in lines[1:]] == [["NIXL", "contiguous"], ["NIXL", "scattered"],
-                                                        ["backend", "copy_d2d"]]
+    assert [line.split()[:2] for line in lines[1:4]] == [["NIXL", "contiguous"], ["NIXL", "scattered"],
+                                                         ["backend", "copy_d2d"]]
     assert "(16 descriptors," in lines[1] and "(256 descriptors," in lines[2]
+    # the layouts and splits: the same pairs, HND like NHD, a 1->2 HND split 2x, NHD per token
+    assert [line.split()[:2] for line in lines[4:]] == [["HND", "scattered"], ["HND", "1->2"],
+                                                        ["ceiling", "1->2"], ["NHD", "1->2"]]
+    assert "(256 descriptors = 1.00x" in lines[4] and "(512 descriptors = 2.00x" in lines[5]
+    assert lines[6].endswith("2.00x, needs <= 2x  ok") and "(8192 descriptors = 32.00x" in lines[7]
 
 
 @needs_nixl
