@@ -216,3 +216,15 @@ def test_a_receiver_that_dies_mid_read_leaves_the_blocks_to_the_lease():
             if proc.is_alive():
                 proc.kill()
     cache.release(gpu)
+
+
+def test_the_readme_tp_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "tp_size" in b]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["sender"].closed() and all(r.closed() for r in namespace["receivers"])
+    assert namespace["gpu_p"].live_allocations() == 0
