@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtype import GROUP_SIZE, KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
+from .layout import SideLayout, parse_layout
 from .validate import index_in_range, positive_int
 
 MAX_BLOCK_SIZE = 2**16
@@ -19,6 +20,8 @@ MAX_BLOCKS_PER_SEQ = 2**31
 """The largest sliding window, in blocks."""
 MAX_NUM_BLOCKS = 2**31 - 1
 """The most blocks a cache may have: block indices are int32 in the kernels and the tables."""
+MAX_TP_SIZE = 2**10
+"""The largest tensor-parallel group a cache may be a rank of."""
 
 _BOUNDS = {
     "block_size": MAX_BLOCK_SIZE,
@@ -44,6 +47,16 @@ class KvCacheConfig:
     `cache_blocks_per_seq` <= 2**31 (`MAX_BLOCKS_PER_SEQ`). A layer in a grouped format
     (nvfp4, turbo*, on either side) needs a head_dim that is a multiple of 16, since a
     group never straddles two heads.
+
+    `layout` is "NHD" (the default: token major, docs/FORMATS.md) or "HND" (head major
+    within each block, so one head's tokens, data and scales, are one contiguous chunk;
+    `pagedkv.core.layout` and docs/LAYOUTS.md give the bytes).
+
+    `tp_rank` / `tp_size` place the cache in a tensor-parallel group: the head counts above
+    are this rank's (local) heads, and rank `r` holds global heads `[r * heads, (r + 1) *
+    heads)` of a layer's `heads * tp_size` (`head_range`). A layer whose V aliases K (MLA:
+    one latent head) is replicated: every rank holds the same head (0 of 1). `tp_size` is at
+    most 2**10 (`MAX_TP_SIZE`) and `tp_rank` in `[0, tp_size)`.
     """
 
     block_size: int
@@ -55,6 +68,9 @@ class KvCacheConfig:
     layer_dims: tuple = ()
     cache_blocks_per_seq: int | None = None
     v_aliases_k: bool = False
+    layout: str = "NHD"
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         for name, bound in _BOUNDS.items():
@@ -78,6 +94,10 @@ class KvCacheConfig:
             )
         if not isinstance(self.v_aliases_k, bool):
             raise ValueError(f"v_aliases_k must be a bool, got {self.v_aliases_k!r}")
+        object.__setattr__(self, "layout", parse_layout(self.layout))
+        object.__setattr__(self, "tp_size", _bounded(self.tp_size, "tp_size", MAX_TP_SIZE))
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be an int in [0, {self.tp_size}) for tp_size {self.tp_size}, got {self.tp_rank!r}")
         for layer in range(self.num_layers):
             self._validate_layer(layer)
 
@@ -119,6 +139,24 @@ class KvCacheConfig:
         if layer < len(self.layer_dims):
             return self.layer_dims[layer]
         return (self.num_kv_heads, self.head_dim)
+
+    def head_range(self, layer: int) -> tuple[int, int, int]:
+        """(first global head, one past the last, global head count) of `layer` on this
+        rank: `(r * heads, (r + 1) * heads, heads * tp_size)`, or `(0, heads, heads)` for a
+        replicated layer (V aliases K)."""
+        heads, _ = self.dims_for_layer(layer)
+        if self.v_aliases_k:
+            return (0, heads, heads)
+        return (self.tp_rank * heads, (self.tp_rank + 1) * heads, heads * self.tp_size)
+
+    def side_layout(self, layer: int, side: str) -> SideLayout:
+        """The byte geometry of `layer`'s `side` ("K" or "V") blocks (`pagedkv.core.layout`)."""
+        if side not in ("K", "V"):
+            raise ValueError(f"side must be 'K' or 'V', got {side!r}")
+        heads, head_dim = self.dims_for_layer(layer)
+        k, v = self.dtype_for_layer(layer).kv_pair()
+        fmt = k if side == "K" or self.v_aliases_k else v
+        return SideLayout(fmt, self.block_size, heads, head_dim, self.layout)
 
     def elements_per_block_side(self, layer: int) -> int:
         """Values in one block side of `layer`: block_size * num_kv_heads * head_dim."""

@@ -11,6 +11,10 @@ A `PoolView` describes one pool as a tensor, zero copy, for DLPack consumers (an
   `(num_blocks, block_size, row_data_bytes)` and `scale_view()` `(num_blocks, block_size,
   groups_per_row * scale_bytes)` as strided views of the same memory (docs/FORMATS.md).
 
+A cache with `layout="HND"` (and more than one head) has heads outermost within a block:
+bf16 and fp8 sides are `(num_blocks, num_kv_heads, block_size, head_dim)`, and the packed
+parts `(num_blocks, num_kv_heads, block_size, head_bytes)` (docs/LAYOUTS.md).
+
 The device comes from the backend's "device:<kind>" capability (pagedkv.capabilities): on
 HostBackend it is kDLCPU and the tensor is the backend's own host memory; on CudaBackend
 it is kDLCUDA with the device ordinal. A view is valid while the cache is:
@@ -277,6 +281,8 @@ class PoolView(_MemoryExport):
         heads, head_dim = config.dims_for_layer(self._layer_index)
         blocks, block_size, stride = self._cache.num_blocks(), config.block_size, self._stride()
         n, fmt = heads * head_dim, self._fmt
+        if config.layout == "HND" and heads > 1:
+            return self._hnd_layout(blocks, block_size, heads, head_dim, stride)
         if self._part == "data":
             row = side_data_bytes(fmt, n)
             return _Layout(0, "uint8", (blocks, block_size, row), (stride, row, 1))
@@ -291,6 +297,23 @@ class PoolView(_MemoryExport):
             element = _BITS_DTYPES[element]
         return _Layout(0, element, (blocks, block_size, heads, head_dim),
                        (stride, n * size, head_dim * size, size))
+
+    def _hnd_layout(self, blocks: int, block_size: int, heads: int, head_dim: int, stride: int) -> _Layout:
+        """The HND shapes: `(blocks, heads, block_size, head_dim)` elements, and the packed
+        parts `(blocks, heads, block_size, head bytes)` (pagedkv.core.layout)."""
+        fmt = self._fmt
+        data, scale = side_data_bytes(fmt, head_dim), side_scale_bytes(fmt, head_dim)
+        chunk = block_size * (data + scale)
+        if self._part == "data":
+            return _Layout(0, "uint8", (blocks, heads, block_size, data), (stride, chunk, data, 1))
+        if self._part == "scale":
+            return _Layout(block_size * data, "uint8", (blocks, heads, block_size, scale), (stride, chunk, scale, 1))
+        element = _ELEMENT_DTYPES.get(fmt)
+        if element is None:
+            return _Layout(0, "uint8", (blocks, side_bytes(fmt, block_size * heads * head_dim)), (stride, 1))
+        size = NUMPY_DTYPES[element].itemsize
+        return _Layout(0, element, (blocks, heads, block_size, head_dim),
+                       (stride, block_size * head_dim * size, head_dim * size, size))
 
     def __repr__(self) -> str:
         return (f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, "

@@ -8,7 +8,8 @@ Where the sums are made: a backend with the optional method
 Bf16Stats` (CudaBackend: kernels decoding and reducing every format on the device, so the
 pool bytes never come back to the host) reduces every side itself. On any other backend
 BF16 sides are reduced by the required `reduce_bf16_blocks` and the other formats are
-read back block by block and decoded by the host codecs (pagedkv.exact_sum.float_stats)."""
+read back block by block (HND blocks put in NHD order first: the sums do not depend on the
+order) and decoded by the host codecs (pagedkv.exact_sum.float_stats)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,12 @@ def side_stats(pools: KvPools, layer: int, side: str, idx: np.ndarray, gpu: GpuB
         return gpu.reduce_bf16_blocks(pools.regions(), pools.region_index(layer, side), idx, stream)
     nbytes = side_bytes(fmt, block_size * heads * head_dim)
     block_ptr = pools.k_block_ptr if side == "K" else pools.v_block_ptr
+    geometry = pools.config().side_layout(layer, side)
     values = np.empty((idx.size, block_size, heads, head_dim), np.float32)
     raw = np.empty(nbytes, np.uint8)
     for i, block in enumerate(idx.tolist()):
         gpu.copy_d2h(block_ptr(layer, int(block)), raw)
-        values[i] = decode(raw, fmt, block_size, heads, head_dim, unrotate=False)
+        values[i] = decode(geometry.to_nhd(raw), fmt, block_size, heads, head_dim, unrotate=False)
     return float_stats(values)
 
 

@@ -2,8 +2,8 @@
 
 A slot is `block * block_size + offset`; -1 skips a token. Each side is encoded in its own
 side format (turbo sides rotated, see `pagedkv.codecs`), and only the touched data rows and
-their scale rows are copied, one copy per run of consecutive slots in a block (two for the
-grouped formats: data, then scales). The work is done on the host and moved with the
+their scale rows are copied, one copy per run of consecutive slots in a block (per head in
+the HND layout; two for the grouped formats: data, then scales). The work is done on the host and moved with the
 backend's synchronous `copy_h2d` / `copy_d2h` for host arrays; device arrays (and the
 `out_k`/`out_v` read form) go to `pagedkv.kv_device`, one kernel launch on CudaBackend.
 
@@ -23,6 +23,7 @@ from ..backends.protocol import DevicePtr, GpuBackend
 from ..codecs import check_side_geometry, decode, encode
 from ..codecs.side import as_float32_values, check_scale, require_finite
 from ..core.dtype import KvCacheDtype, side_data_bytes, side_scale_bytes
+from ..core.layout import SideLayout
 from ..core.log import get_logger
 from . import device_path as kv_device
 from .pools import KvPools
@@ -41,20 +42,33 @@ class _Side:
     row_bytes: int
     scale_row_bytes: int
     data_section: int
+    geometry: SideLayout
 
     @classmethod
-    def of(cls, fmt: KvCacheDtype, block_size: int, heads: int, head_dim: int) -> "_Side":
+    def of(cls, fmt: KvCacheDtype, block_size: int, heads: int, head_dim: int, layout: str = "NHD") -> "_Side":
         check_side_geometry(fmt, heads, head_dim)
         n = heads * head_dim
-        return cls(fmt, side_data_bytes(fmt, n), side_scale_bytes(fmt, n), side_data_bytes(fmt, block_size * n))
+        return cls(fmt, side_data_bytes(fmt, n), side_scale_bytes(fmt, n), side_data_bytes(fmt, block_size * n),
+                   SideLayout(fmt, block_size, heads, head_dim, layout))
 
     def data_offset(self, offset: int) -> int:
-        """Byte offset, within a block, of token `offset`'s data row."""
+        """Byte offset, within an NHD block, of token `offset`'s data row."""
         return offset * self.row_bytes
 
     def scale_offset(self, offset: int) -> int:
-        """Byte offset, within a block, of token `offset`'s scale row (after the data section)."""
+        """Byte offset, within an NHD block, of token `offset`'s scale row (after the data section)."""
         return self.data_section + offset * self.scale_row_bytes
+
+    def pieces(self, offset: int) -> list[tuple[slice, int, slice, int]]:
+        """Where the rows of a run starting at token `offset` go in a block: per contiguous
+        piece (data columns, data byte offset, scale columns, scale byte offset). NHD has
+        one piece (whole rows); HND one per head (a head's tokens are contiguous)."""
+        if self.geometry.layout == "NHD":
+            return [(slice(None), self.data_offset(offset), slice(None), self.scale_offset(offset))]
+        g = self.geometry
+        db, sb = g.head_data_bytes, g.head_scale_bytes
+        return [(slice(h * db, (h + 1) * db), g.data_offset(offset, h), slice(h * sb, (h + 1) * sb),
+                 g.scale_offset(offset, h)) for h in range(g.heads)]
 
 
 @dataclass(frozen=True)
@@ -189,9 +203,9 @@ def write_tokens(
     slots = kv_device.host_slots(slots, gpu)
     heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
-    block_size = pools.config().block_size
-    k_side = _Side.of(k_fmt, block_size, heads, head_dim)
-    v_side = _Side.of(v_fmt, block_size, heads, head_dim)
+    block_size, layout = pools.config().block_size, pools.config().layout
+    k_side = _Side.of(k_fmt, block_size, heads, head_dim, layout)
+    v_side = _Side.of(v_fmt, block_size, heads, head_dim, layout)
     check_scale(k_scale), check_scale(v_scale)
     k_values = _values("k", k, heads, head_dim, None)
     num_tokens = k_values.shape[0]
@@ -214,11 +228,12 @@ def write_tokens(
     for side, (data, scales), block_ptr in encoded:
         for block, offset, start, stop in zip(runs.blocks, runs.offsets, runs.starts, runs.stops):
             base = block_ptr(layer, int(block))
-            gpu.copy_h2d(data[start:stop], base.offset(side.data_offset(int(offset))))
-            copies += 1
-            if side.scale_row_bytes:
-                gpu.copy_h2d(scales[start:stop], base.offset(side.scale_offset(int(offset))))
+            for data_cols, data_at, scale_cols, scale_at in side.pieces(int(offset)):
+                gpu.copy_h2d(np.ascontiguousarray(data[start:stop, data_cols]), base.offset(data_at))
                 copies += 1
+                if side.scale_row_bytes:
+                    gpu.copy_h2d(np.ascontiguousarray(scales[start:stop, scale_cols]), base.offset(scale_at))
+                    copies += 1
     _log.debug("kv_tokens_written", layer=layer, tokens=int(runs.order.size), runs=int(runs.starts.size), copies=copies)
 
 
@@ -275,7 +290,7 @@ def read_tokens(
     slots = kv_device.host_slots(slots, gpu)
     heads, head_dim, k_fmt, v_fmt = layer_geometry(pools, layer)
     aliased = pools.config().v_aliases_k
-    block_size = pools.config().block_size
+    block_size, layout = pools.config().block_size, pools.config().layout
     check_scale(k_scale), check_scale(v_scale)
     arr = _slots(pools, slots, None, repeats=True)
     inverse = None
@@ -286,12 +301,12 @@ def read_tokens(
         else:
             arr = distinct  # a repeated slot (sequences sharing a cached block): read once, fan out
     runs = _runs(arr, block_size)
-    k_side = _Side.of(k_fmt, block_size, heads, head_dim)
+    k_side = _Side.of(k_fmt, block_size, heads, head_dim, layout)
     k = _read_side(pools.k_block_ptr, layer, k_side, runs, arr.size, (heads, head_dim), gpu, unrotate, k_scale)
     if aliased:
         k = k if inverse is None else k[inverse.reshape(-1)]
         return k, k.copy()
-    v_side = _Side.of(v_fmt, block_size, heads, head_dim)
+    v_side = _Side.of(v_fmt, block_size, heads, head_dim, layout)
     v = _read_side(pools.v_block_ptr, layer, v_side, runs, arr.size, (heads, head_dim), gpu, unrotate, v_scale)
     if inverse is not None:
         k, v = k[inverse.reshape(-1)], v[inverse.reshape(-1)]
@@ -308,9 +323,19 @@ def _read_side(block_ptr, layer: int, side: _Side, runs: _Runs, num_slots: int, 
     scales = np.empty((tokens, side.scale_row_bytes), dtype=np.uint8)
     for block, offset, start, stop in zip(runs.blocks, runs.offsets, runs.starts, runs.stops):
         base: DevicePtr = block_ptr(layer, int(block))
-        gpu.copy_d2h(base.offset(side.data_offset(int(offset))), data[start:stop])
-        if side.scale_row_bytes:
-            gpu.copy_d2h(base.offset(side.scale_offset(int(offset))), scales[start:stop])
+        if side.geometry.layout == "NHD":
+            gpu.copy_d2h(base.offset(side.data_offset(int(offset))), data[start:stop])
+            if side.scale_row_bytes:
+                gpu.copy_d2h(base.offset(side.scale_offset(int(offset))), scales[start:stop])
+            continue
+        for data_cols, data_at, scale_cols, scale_at in side.pieces(int(offset)):
+            piece = np.empty((stop - start, side.geometry.head_data_bytes), np.uint8)
+            gpu.copy_d2h(base.offset(data_at), piece)
+            data[start:stop, data_cols] = piece
+            if side.scale_row_bytes:
+                piece = np.empty((stop - start, side.geometry.head_scale_bytes), np.uint8)
+                gpu.copy_d2h(base.offset(scale_at), piece)
+                scales[start:stop, scale_cols] = piece
     raw = data.tobytes() + scales.tobytes()
     out[runs.order] = decode(raw, side.fmt, tokens, *dims, scale=scale, unrotate=unrotate)
     return out

@@ -52,11 +52,14 @@ def slot_bytes_for(block_bytes: int) -> int:
 
 
 def describe(rows: list[dict], block_size: int, v_aliases_k: bool, tier_format: str | None,
-             compression: str | None) -> dict:
+             compression: str | None, block_layout: str = "NHD") -> dict:
     """The layout description of a tier whose host blocks have `rows` (dicts with layer, side,
-    dtype, num_kv_heads, head_dim, stride: `HostTier.rows()`)."""
+    dtype, num_kv_heads, head_dim, stride: `HostTier.rows()`). `block_layout` ("NHD" or
+    "HND", the cache's `layout`) is recorded only when it is not NHD, so an NHD directory's
+    description is what it was before layouts existed."""
     block_bytes = sum(int(r["stride"]) for r in rows)
-    return {
+    extra = {} if block_layout == "NHD" else {"block_layout": block_layout}
+    return {**extra,
         "layout_version": DISK_LAYOUT_VERSION,
         "formats_version": FORMATS_VERSION,
         "block_size": int(block_size),
@@ -81,6 +84,9 @@ def differences(mine: dict, theirs: dict) -> list[str]:
                 "block_bytes", "slot_bytes"):
         if mine.get(key) != theirs.get(key):
             out.append(f"{key}: here {mine.get(key)!r}, directory {theirs.get(key)!r}")
+    if mine.get("block_layout", "NHD") != theirs.get("block_layout", "NHD"):
+        out.append(f"block_layout: here {mine.get('block_layout', 'NHD')!r}, "
+                   f"directory {theirs.get('block_layout', 'NHD')!r}")
     a_rows, b_rows = mine.get("rows", []), theirs.get("rows", [])
     if len(a_rows) != len(b_rows):
         out.append(f"region rows: here {len(a_rows)}, directory {len(b_rows)}")

@@ -51,7 +51,7 @@ def tier_config(config: KvCacheConfig, format: Any) -> tuple[KvCacheConfig, list
     dims = tuple(config.dims_for_layer(i) for i in range(config.num_layers))
     tier = KvCacheConfig(block_size=config.block_size, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                          num_layers=config.num_layers, dtype=formats[0], layer_dtypes=tuple(formats), layer_dims=dims,
-                         v_aliases_k=config.v_aliases_k)
+                         v_aliases_k=config.v_aliases_k, layout=config.layout)
     transcoded = []
     for layer in range(config.num_layers):
         mine = tier.k_block_bytes_for_layer(layer) + tier.v_block_bytes_for_layer(layer)

@@ -21,22 +21,41 @@ does not import).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
-from ..core.validate import block_list
-from ..errors import KvCacheError, PagedKvError
+from ..errors import KvCacheError
+from . import head_plan
+from . import leases as pull_leases
+from .pull_mode import PullMode, blocks_of as _blocks
+from .head_plan import block_runs  # noqa: F401 - re-exported: this module's API before head_plan
+from .transfer_errors import (  # noqa: F401 - re-exported: the transfer API's errors
+    LayoutMismatch,
+    LeaseExpired,
+    NixlUnavailable,
+    TransferError,
+    TransferTimeout,
+    UnknownPeer,
+)
+from .transfer_layout import (  # noqa: F401 - re-exported
+    FORMATS_VERSION,
+    LAYOUT_VERSION,
+    fingerprint,
+    layout_differences,
+    layout_lies,
+    layout_of,
+    pool_geometries,
+)
 
 _log = get_logger("transfer")
 
@@ -46,33 +65,8 @@ INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1"
 METADATA_MAGIC = b"pagedkv-kvtransfer\x00"
 """The first bytes of every `KvTransfer.metadata()` blob."""
 
-LAYOUT_VERSION = 1
-"""Bumped whenever the layout description changes; peers of different versions refuse each other."""
-
-FORMATS_VERSION = 1
-"""The version of docs/FORMATS.md (the byte contract both sides' blocks follow)."""
 
 _NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-
-
-class NixlUnavailable(PagedKvError, ImportError):
-    """NIXL's Python API cannot be imported; the message says how to install it."""
-
-
-class TransferError(PagedKvError, RuntimeError):
-    """A KV transfer was refused or failed; the message names the peer and what went wrong."""
-
-
-class LayoutMismatch(TransferError, ValueError):
-    """A peer's cache layout differs from this one; the message lists every difference."""
-
-
-class UnknownPeer(TransferError, LookupError):
-    """A peer name that `connect` never returned (or one already disconnected)."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """A wait ran past its timeout; the transfer (if any) is still in flight and may be waited on again."""
 
 
 def load_nixl() -> Any:
@@ -95,52 +89,6 @@ def load_nixl() -> Any:
     )
 
 
-def layout_of(cache: Any) -> dict:
-    """The layout description two caches must share to exchange blocks: the byte-format
-    versions, block size, layer count, V aliasing, and per layer its format, dims and K/V
-    strides. The block count is not part of it (the two caches may differ in size), nor the
-    sliding window (it does not change a block's bytes)."""
-    config = cache.config()
-    pools = cache.pools()
-    layers = []
-    for layer in range(config.num_layers):
-        heads, head_dim = config.dims_for_layer(layer)
-        layers.append({
-            "dtype": str(config.dtype_for_layer(layer)),
-            "num_kv_heads": heads,
-            "head_dim": head_dim,
-            "k_stride": pools.k_stride(layer),
-            "v_stride": pools.v_stride(layer),
-        })
-    return {
-        "layout_version": LAYOUT_VERSION,
-        "formats_version": FORMATS_VERSION,
-        "block_size": config.block_size,
-        "num_layers": config.num_layers,
-        "v_aliases_k": config.v_aliases_k,
-        "layers": layers,
-    }
-
-
-def fingerprint(layout: dict) -> str:
-    """A short stable hash of a layout description (what logs and error messages show)."""
-    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def layout_differences(mine: dict, theirs: dict) -> list[str]:
-    """Every difference between two layout descriptions, as `what: here X, peer Y` lines
-    (empty when they are the same)."""
-    out = []
-    for key in ("layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k"):
-        if mine.get(key) != theirs.get(key):
-            out.append(f"{key}: here {mine.get(key)!r}, peer {theirs.get(key)!r}")
-    for layer, (a, b) in enumerate(zip(mine.get("layers", []), theirs.get("layers", []))):
-        for key in ("dtype", "num_kv_heads", "head_dim", "k_stride", "v_stride"):
-            if a.get(key) != b.get(key):
-                out.append(f"layer {layer} {key}: here {a.get(key)!r}, peer {b.get(key)!r}")
-    return out
-
-
 @dataclass(frozen=True)
 class _Pool:
     """One registered pool: its layer, side, address as NIXL sees it, and block stride."""
@@ -153,34 +101,20 @@ class _Pool:
 
 @dataclass(frozen=True)
 class _Peer:
-    """What `connect` learned about a peer."""
+    """What `connect` learned about a peer: its pools, and per pool pair the plan of a
+    block sent to it (`send_plans`) and read from it (`pull_plans`): (local base, remote
+    base, local geometry, remote geometry, template)."""
 
     name: str
     num_blocks: int
     mem_type: str
     device_id: int
     pools: tuple
-
-
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) runs covering the pairs `zip(src, dst)`, ordered by
-    destination, where a run is a stretch of pairs whose sources and destinations both go up
-    by one. Example: src [9, 4, 5], dst [7, 0, 1] gives [(4, 0, 2), (9, 7, 1)]."""
-    runs: list[list[int]] = []
-    for d, s in sorted(zip(dst, src)):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
-
-
-def _blocks(blocks: object, num_blocks: int, what: str, whose: str) -> list[int]:
-    """`validate.block_list`, with the argument and the cache it indexes named in an IndexError."""
-    try:
-        return block_list(blocks, num_blocks, what)
-    except IndexError as err:
-        raise IndexError(f"{what}: {err} ({whose})") from None
+    tp_rank: int
+    tp_size: int
+    send_plans: tuple
+    pull_plans: tuple
+    info: dict
 
 
 class TransferHandle:
@@ -241,16 +175,18 @@ class TransferHandle:
         self._request = None
 
 
-class KvTransfer:
+class KvTransfer(PullMode):
     """A NIXL agent named `name` with every pool of `cache` (a PagedKvCache on `gpu`)
     registered: VRAM of `gpu.device_ordinal` on a "device:cuda" backend, DRAM on a
     "device:cpu" one (through `gpu.view` when it states "host_view", as HostBackend does:
     its pointers are not host addresses). Elastic caches are refused (their memory is mapped
     later). `backends` are the NIXL backend plugins the agent creates (UCX by default).
     Construction is all or nothing. Use one from one thread; `close()` (or a `with` block)
-    deregisters, and must come before the cache is released."""
+    deregisters (and releases open leases), and must come before the cache is released.
+    `clock` (wall-clock seconds, `time.time`) dates pull leases (pagedkv.tiers.leases)."""
 
-    def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
+    def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",),
+                 clock: Callable[[], float] = time.time):
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if not isinstance(name, str) or not name or "\x00" in name:
@@ -280,12 +216,18 @@ class KvTransfer:
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
         self._registered = None
+        self._lease_registered = None
+        self._leases = pull_leases.LeaseTable(clock)
         config = nixl.nixl_agent_config(backends=list(backends))
         self._agent = nixl.nixl_agent(name, config)
         try:
             regions = [(p.address, self._num_blocks * p.stride, self._device_id, "") for p in self._pools]
             self._registered = self._agent.register_memory(regions, self._mem_type)
+            words = [(self._leases.address(), self._leases.words.nbytes, 0, "")]
+            self._lease_registered = self._agent.register_memory(words, "DRAM")
         except BaseException:
+            if self._registered is not None:
+                self._agent.deregister_memory(self._registered)
             self._agent = None
             self._closed = True
             raise
@@ -333,6 +275,7 @@ class KvTransfer:
             "device_id": self._device_id,
             "layout": self._layout,
             "pools": [[p.layer, p.side, p.address, p.stride] for p in self._pools],
+            "leases": self._leases.address(),
         }
         text = json.dumps(info, sort_keys=True).encode()
         return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + self._agent.get_agent_metadata()
@@ -343,8 +286,11 @@ class KvTransfer:
 
     def connect(self, peer_metadata: bytes) -> str:
         """Load a peer's `metadata()` and return its name. The layout is checked first:
-        LayoutMismatch listing every difference (formats, dims, strides, block size, ...)
-        with nothing loaded. ValueError for a blob that is not KvTransfer metadata, for this
+        LayoutMismatch listing every difference a transfer cannot map (formats, dims,
+        strides, block size, window, global heads, ...; see `layout_differences`) or every
+        place the peer's description contradicts itself or its pools (`layout_lies`), with
+        nothing loaded. The block layout and TP placement may differ: blocks are then split
+        or gathered by head. ValueError for a blob that is not KvTransfer metadata, for this
         agent's own name, or for a name already connected."""
         self._check_open()
         info, nixl_md = self._parse_metadata(peer_metadata)
@@ -353,6 +299,9 @@ class KvTransfer:
             raise ValueError(f"peer metadata names this agent itself ({name!r})")
         if name in self._peers:
             raise ValueError(f"peer {name!r} is already connected (disconnect it first)")
+        lies = layout_lies(info["layout"])
+        if lies:
+            raise LayoutMismatch(f"peer {name!r} describes a layout that contradicts itself: " + "; ".join(lies))
         diffs = layout_differences(self._layout, info["layout"])
         if diffs:
             raise LayoutMismatch(
@@ -368,21 +317,42 @@ class KvTransfer:
         if loaded != name:
             self._agent.remove_remote_agent(loaded)
             raise ValueError(f"peer metadata names {name!r} but its NIXL part names {loaded!r}")
-        self._peers[name] = _Peer(name, int(info["num_blocks"]), str(info["mem_type"]),
-                                  int(info["device_id"]), pools)
+        self._peers[name] = self._make_peer(name, info, pools)
         _log.debug("kv_transfer_connected", name=self.name, peer=name, peer_blocks=info["num_blocks"])
         return name
 
     def _peer_pools(self, name: str, info: dict) -> tuple:
-        """The peer's pools, which must be this side's (layer, side, stride) in order."""
+        """The peer's pools, which must be the (layer, side, stride) its layout describes, in order."""
         try:
             pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
-        mine = [(p.layer, p.side, p.stride) for p in self._pools]
-        if [(p.layer, p.side, p.stride) for p in pools] != mine:
+        layout = info["layout"]
+        described = []
+        for layer, entry in enumerate(layout["layers"]):
+            described.append((layer, "K", entry["k_stride"]))
+            if not layout["v_aliases_k"]:
+                described.append((layer, "V", entry["v_stride"]))
+        if [(p.layer, p.side, p.stride) for p in pools] != described:
             raise ValueError(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
         return pools
+
+    def _make_peer(self, name: str, info: dict, pools: tuple) -> _Peer:
+        """The peer with its send and pull plans (pagedkv.tiers.head_plan)."""
+        layout = info["layout"]
+        rank, size = int(layout.get("tp_rank", 0)), int(layout.get("tp_size", 1))
+        mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
+        my_rank, my_size = self._layout["tp_rank"], self._layout["tp_size"]
+        sends_replicas = my_rank == head_plan.replica_sender(rank, my_size, size)
+        pulls_replicas = rank == head_plan.replica_sender(my_rank, size, my_size)
+        send, pull = [], []
+        for here, there, m, t in zip(self._pools, pools, mine, theirs):
+            out = head_plan.block_template(m, t) if (sends_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
+            back = head_plan.block_template(t, m) if (pulls_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
+            send.append((here.address, there.address, m, t, out))
+            pull.append((there.address, here.address, t, m, back))
+        return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
+                     rank, size, tuple(send), tuple(pull), info)
 
     @staticmethod
     def _parse_metadata(blob: object) -> tuple[dict, bytes]:
@@ -397,7 +367,8 @@ class KvTransfer:
             info = json.loads(blob[head + 8 : head + 8 + size])
         except ValueError as err:
             raise ValueError(f"peer_metadata has a broken layout description: {err}") from None
-        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list}
+        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list,
+                  "leases": int}
         if not isinstance(info, dict) or any(not isinstance(info.get(k), t) for k, t in fields.items()):
             raise ValueError(f"peer_metadata lacks one of {', '.join(fields)}")
         if info["layout"].get("layout_version") != LAYOUT_VERSION:
@@ -452,8 +423,7 @@ class KvTransfer:
             raise ValueError(f"source block {free} is free (send only blocks the cache holds)")
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
-        runs = block_runs(src, dst)
-        local, remote = self._descriptors(info, runs)
+        local, remote = self._descriptors(info, info.send_plans, src, dst)
         nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
         nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)
         try:
@@ -477,20 +447,29 @@ class KvTransfer:
                    descriptors=len(local), bytes=handle.nbytes, state=state)
         return handle
 
-    def _descriptors(self, peer: _Peer, runs: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(local, remote) Nx3 uint64 arrays of (address, bytes, device) per pool and run."""
-        rows = len(self._pools) * len(runs)
-        local = np.empty((rows, 3), dtype=np.uint64)
-        remote = np.empty((rows, 3), dtype=np.uint64)
-        run = np.array(runs, dtype=np.uint64).reshape(-1, 3)
-        for i, (mine, theirs) in enumerate(zip(self._pools, peer.pools)):
-            part = slice(i * len(runs), (i + 1) * len(runs))
-            stride = np.uint64(mine.stride)
-            local[part, 0] = np.uint64(mine.address) + run[:, 0] * stride
-            remote[part, 0] = np.uint64(theirs.address) + run[:, 1] * stride
-            local[part, 1] = remote[part, 1] = run[:, 2] * stride
-            local[part, 2] = self._device_id
-            remote[part, 2] = peer.device_id
+    def _descriptors(self, peer: _Peer, plans: tuple, local_blocks: list[int],
+                     remote_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) Nx3 uint64 arrays of (address, bytes, device): per pool pair and
+        block pair, the byte runs of the heads both sides hold (`head_plan`), consecutive
+        whole blocks merged. ValueError naming both head ranges when they share none."""
+        if plans is peer.send_plans:
+            src_rows, dst_rows = head_plan.descriptors(list(plans), local_blocks, remote_blocks)
+            local_rows, remote_rows = src_rows, dst_rows
+        else:
+            src_rows, dst_rows = head_plan.descriptors(list(plans), remote_blocks, local_blocks)
+            local_rows, remote_rows = dst_rows, src_rows
+        if local_rows.shape[0] == 0:
+            mine, theirs = self._layout["layers"][0], peer.info["layout"]["layers"][0]
+            raise ValueError(
+                f"peer {peer.name!r} (TP rank {peer.tp_rank} of {peer.tp_size}, layer 0 heads "
+                f"[{theirs['head_start']}, {theirs['head_start'] + theirs['num_kv_heads']})) shares no head with this "
+                f"cache (TP rank {self._layout['tp_rank']} of {self._layout['tp_size']}, layer 0 heads "
+                f"[{mine['head_start']}, {mine['head_start'] + mine['num_kv_heads']})): nothing to move"
+            )
+        local = np.empty((local_rows.shape[0], 3), dtype=np.uint64)
+        remote = np.empty_like(local)
+        local[:, :2], remote[:, :2] = local_rows, remote_rows
+        local[:, 2], remote[:, 2] = self._device_id, peer.device_id
         return local, remote
 
     def _poll(self, request: Any) -> str:
@@ -508,11 +487,18 @@ class KvTransfer:
     # -- notifications ----------------------------------------------------------------
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        """Every (peer name, message) that arrived since the last call, oldest first per peer."""
+        """Every (peer name, message) that arrived since the last call, oldest first per peer.
+        A puller's completion of a lease is handled here (the lease's blocks are freed, no
+        message is returned), and expired leases are released (`expire_leases`)."""
         self._check_open()
         for peer, messages in self._agent.get_new_notifs().items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-            self._inbox.extend((peer, bytes(m)) for m in messages)
+            for message in map(bytes, messages):
+                if message.startswith(pull_leases.DONE_MAGIC):
+                    self._lease_done(peer, message[len(pull_leases.DONE_MAGIC):])
+                else:
+                    self._inbox.append((peer, message))
+        self.expire_leases()
         out, self._inbox = self._inbox, []
         return out
 
@@ -551,8 +537,11 @@ class KvTransfer:
         first: BaseException | None = None
         steps = [lambda r=r: self._agent.release_xfer_handle(r) for r in self._requests.values()]
         steps += [lambda p=p: self._agent.remove_remote_agent(p) for p in self._peers]
+        steps += [lambda i=i: self._release_lease(i, "closed") for i in self._leases.open_ids()]
         if self._registered is not None:
             steps.append(lambda: self._agent.deregister_memory(self._registered))
+        if self._lease_registered is not None:
+            steps.append(lambda: self._agent.deregister_memory(self._lease_registered))
         for step in steps:
             try:
                 step()
@@ -561,7 +550,7 @@ class KvTransfer:
                 _log.error("kv_transfer_close_failed", name=self.name, error=f"{type(err).__name__}: {err}")
         self._requests.clear()
         self._peers.clear()
-        self._registered = None
+        self._registered = self._lease_registered = None
         self._agent = None
         self._views = []
         if first is not None:

@@ -275,8 +275,8 @@ def test_metadata_that_does_not_describe_its_pools_is_refused(local):
                 transfer.connect(edited(md, lambda info: info["pools"].pop()))
             with pytest.raises(ValueError, match="peer_metadata lacks one of name, num_blocks"):
                 transfer.connect(edited(md, lambda info: info.pop("num_blocks")))
-            with pytest.raises(ValueError, match="layout version 2 is not 1"):
-                transfer.connect(edited(md, lambda info: info["layout"].update(layout_version=2)))
+            with pytest.raises(ValueError, match="layout version 1 is not 2"):
+                transfer.connect(edited(md, lambda info: info["layout"].update(layout_version=1)))
             assert transfer.peers() == []
             assert transfer.connect(md) == "there"
             with pytest.raises(ValueError, match="peer 'there' is already connected"):
@@ -424,9 +424,14 @@ def test_the_transfer_bench_runs_at_smoke_size(monkeypatch, capsys):
     bench_transfer.run(argparse.Namespace(gpu=False, quick=True))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "  backend: HostBackend (DRAM); 32 blocks x 8 layers, 16 MiB a transfer"
-    assert [line.split()[:2] for line in lines[1:]] == [["NIXL", "contiguous"], ["NIXL", "scattered"],
-                                                        ["backend", "copy_d2d"]]
+    assert [line.split()[:2] for line in lines[1:4]] == [["NIXL", "contiguous"], ["NIXL", "scattered"],
+                                                         ["backend", "copy_d2d"]]
     assert "(16 descriptors," in lines[1] and "(256 descriptors," in lines[2]
+    # the layouts and splits: the same pairs, HND like NHD, a 1->2 HND split 2x, NHD per token
+    assert [line.split()[:2] for line in lines[4:]] == [["HND", "scattered"], ["HND", "1->2"],
+                                                        ["ceiling", "1->2"], ["NHD", "1->2"]]
+    assert "(256 descriptors = 1.00x" in lines[4] and "(512 descriptors = 2.00x" in lines[5]
+    assert lines[6].endswith("2.00x, needs <= 2x  ok") and "(8192 descriptors = 32.00x" in lines[7]
 
 
 @needs_nixl
@@ -435,7 +440,8 @@ def test_the_readme_transfer_example_runs():
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (example,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "KvTransfer" in block]
+    (example,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S)
+                  if "KvTransfer" in block and "tp_size" not in block]
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["sender"].closed() and namespace["receiver"].closed()
