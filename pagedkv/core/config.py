@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtype import GROUP_SIZE, KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
+from .layer_groups import check_layer_groups
 from .validate import index_in_range, positive_int
 
 MAX_BLOCK_SIZE = 2**16
@@ -44,6 +45,10 @@ class KvCacheConfig:
     `cache_blocks_per_seq` <= 2**31 (`MAX_BLOCKS_PER_SEQ`). A layer in a grouped format
     (nvfp4, turbo*, on either side) needs a head_dim that is a multiple of 16, since a
     group never straddles two heads.
+
+    `layer_groups` (a tuple of `LayerGroup`) makes a hybrid cache: every layer in exactly
+    one group, each attention group with its own block ids (see `pagedkv.groups`). Empty
+    (the default) is one full-attention group of every layer: the cache of before.
     """
 
     block_size: int
@@ -55,6 +60,7 @@ class KvCacheConfig:
     layer_dims: tuple = ()
     cache_blocks_per_seq: int | None = None
     v_aliases_k: bool = False
+    layer_groups: tuple = ()
 
     def __post_init__(self) -> None:
         for name, bound in _BOUNDS.items():
@@ -80,6 +86,9 @@ class KvCacheConfig:
             raise ValueError(f"v_aliases_k must be a bool, got {self.v_aliases_k!r}")
         for layer in range(self.num_layers):
             self._validate_layer(layer)
+        if self.layer_groups != ():
+            groups = check_layer_groups(self.layer_groups, self.num_layers, self.block_size, self.cache_blocks_per_seq)
+            object.__setattr__(self, "layer_groups", groups)
 
     @staticmethod
     def _parse_dims(layer: int, dims: object) -> tuple[int, int]:
