@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
+from ..cache.hybrid_cache import refuse_hybrid
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..core.validate import block_list
@@ -251,6 +252,7 @@ class KvTransfer:
     deregisters, and must come before the cache is released."""
 
     def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
+        refuse_hybrid(cache, "KvTransfer")
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if not isinstance(name, str) or not name or "\x00" in name:
