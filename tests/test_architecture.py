@@ -35,7 +35,7 @@ def test_every_path_the_document_names_exists():
 def test_every_module_named_in_a_folder_paragraph_is_in_that_folder():
     section = DOC[DOC.index("## What each folder holds") : DOC.index("## One engine step")]
     paragraphs = [p for p in section.split("\n\n")[1:] if p.strip()]
-    assert len(paragraphs) == 10  # core, backends, codecs, driver, interop, kv, cache, tiers, sequences, events
+    assert len(paragraphs) == 11  # core, backends, codecs, driver, interop, kv, groups, cache, tiers, sequences, events
     for paragraph in paragraphs:
         folder = re.match(r"`pagedkv/([a-z_]+)/`", paragraph)
         assert folder, paragraph[:60]
@@ -46,7 +46,7 @@ def test_every_module_named_in_a_folder_paragraph_is_in_that_folder():
 def test_every_module_of_a_package_is_described():
     section = DOC[DOC.index("## What each folder holds") : DOC.index("## One engine step")]
     described = set(re.findall(r"`([a-z_0-9]+\.py)`", section))
-    for package in ("core", "backends", "codecs", "interop", "kv", "cache", "tiers", "sequences", "events"):
+    for package in ("core", "backends", "codecs", "interop", "kv", "groups", "cache", "tiers", "sequences", "events"):
         modules = {p.name for p in (PACKAGE / package).glob("*.py")} - {"__init__.py"}
         assert modules <= described, f"{package}: {sorted(modules - described)} not described"
 

@@ -20,14 +20,15 @@ ALLOWED = {
     "interop": {"backends", "core", "errors"},
     "driver": {"backends", "codecs", "core", "errors"},
     "kv": {"driver", "interop", "backends", "codecs", "core", "errors"},
-    "cache": {"kv", "interop", "backends", "codecs", "core", "errors"},
-    "tiers": {"cache", "kv", "interop", "backends", "core", "errors"},
-    "sequences": {"tiers", "cache", "kv", "interop", "backends", "core", "errors"},
+    "groups": {"kv", "interop", "backends", "codecs", "core", "errors"},
+    "cache": {"groups", "kv", "interop", "backends", "codecs", "core", "errors"},
+    "tiers": {"cache", "groups", "kv", "interop", "backends", "core", "errors"},
+    "sequences": {"tiers", "cache", "groups", "kv", "interop", "backends", "core", "errors"},
     "events": {"sequences", "core", "errors"},
-    "testing": {"events", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core",
+    "testing": {"events", "sequences", "tiers", "cache", "groups", "kv", "interop", "driver", "backends", "codecs", "core",
                 "errors"},
-    "cli": {"testing", "events", "sequences", "tiers", "cache", "kv", "interop", "driver", "backends", "codecs", "core",
-            "errors"},
+    "cli": {"testing", "events", "sequences", "tiers", "cache", "groups", "kv", "interop", "driver", "backends", "codecs",
+            "core", "errors"},
 }
 """Sub-package (or flat module) of pagedkv -> the ones it may import. The package root
 (`pagedkv/__init__.py`, `__main__.py`) may import anything."""

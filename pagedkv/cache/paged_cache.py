@@ -35,6 +35,10 @@ POISON_BYTE = 0xFF
 
 _log = get_logger("cache")
 
+HYBRID_FACTORY: list = [None]
+"""What builds the cache of a config with `layer_groups`: `HybridKvCache`, registered by
+`pagedkv.cache` when it imports `hybrid_cache` (this module never imports it)."""
+
 _BOUND = (
     "alloc_block",
     "try_alloc_block",
@@ -68,9 +72,19 @@ class PagedKvCache(CacheGeometry):
     allocated (lowest block id first), given back by `shrink(gpu)` and mapped ahead by
     `reserve(n, gpu)`; see `ElasticBlockAllocator` and `pagedkv.pools.ElasticMapping`."""
 
-    def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend, elastic: bool = False):
+    def __new__(cls, config: KvCacheConfig, *args, **kwargs):
+        """A `HybridKvCache` (`pagedkv.cache.hybrid_cache`) for a config with `layer_groups`;
+        otherwise a PagedKvCache."""
+        if cls is PagedKvCache and isinstance(config, KvCacheConfig) and config.layer_groups:
+            return HYBRID_FACTORY[0](config, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend, elastic: bool = False,
+                 num_state_slots: int | None = None):
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
+        if num_state_slots is not None:
+            raise ValueError(f"num_state_slots is {num_state_slots!r}, but the config has no state group")
         num_blocks = positive_int(num_blocks, "num_blocks")
         env = flags()
         self._config = config

@@ -5,7 +5,7 @@ and sets `func(args) -> int` (the exit status). Results go to stdout, pagedkv's 
 stderr (`--log-level`, default warning). A bad argument is one line on stderr and exit
 status 2; a closed stdout (`pagedkv demo | head -1`) ends the command quietly.
 
-May import: every other part: `pagedkv.testing`, `pagedkv.events`, `pagedkv.sequences`, `pagedkv.tiers`,
+May import: every other part: `pagedkv.testing`, `pagedkv.events`, `pagedkv.sequences`, `pagedkv.tiers`, `pagedkv.groups`,
 `pagedkv.cache`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.driver`, `pagedkv.backends`,
 `pagedkv.codecs`, `pagedkv.core`, `pagedkv.errors`.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtype import GROUP_SIZE, KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
+from .layer_groups import check_layer_groups
 from .layout import SideLayout, parse_layout
 from .validate import index_in_range, positive_int
 
@@ -57,6 +58,10 @@ class KvCacheConfig:
     heads)` of a layer's `heads * tp_size` (`head_range`). A layer whose V aliases K (MLA:
     one latent head) is replicated: every rank holds the same head (0 of 1). `tp_size` is at
     most 2**10 (`MAX_TP_SIZE`) and `tp_rank` in `[0, tp_size)`.
+
+    `layer_groups` (a tuple of `LayerGroup`) makes a hybrid cache: every layer in exactly
+    one group, each attention group with its own block ids (see `pagedkv.groups`). Empty
+    (the default) is one full-attention group of every layer: the cache of before.
     """
 
     block_size: int
@@ -71,6 +76,7 @@ class KvCacheConfig:
     layout: str = "NHD"
     tp_rank: int = 0
     tp_size: int = 1
+    layer_groups: tuple = ()
 
     def __post_init__(self) -> None:
         for name, bound in _BOUNDS.items():
@@ -100,6 +106,9 @@ class KvCacheConfig:
             raise ValueError(f"tp_rank must be an int in [0, {self.tp_size}) for tp_size {self.tp_size}, got {self.tp_rank!r}")
         for layer in range(self.num_layers):
             self._validate_layer(layer)
+        if self.layer_groups != ():
+            groups = check_layer_groups(self.layer_groups, self.num_layers, self.block_size, self.cache_blocks_per_seq)
+            object.__setattr__(self, "layer_groups", groups)
 
     @staticmethod
     def _parse_dims(layer: int, dims: object) -> tuple[int, int]:

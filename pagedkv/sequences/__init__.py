@@ -8,6 +8,6 @@ replace), and the host-tier demotion and promotion (`tiering`; the disk tier's i
 (`sequence_table`) keeps per-sequence block tables; its kernel exports live in `exports`
 and its side of the reserve/confirm protocol with the prefix cache in `reuse`.
 
-May import: `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.kv`, `pagedkv.interop`,
+May import: `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`,
 `pagedkv.backends`, `pagedkv.core`, `pagedkv.errors`.
 """

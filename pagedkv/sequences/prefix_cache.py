@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
-from ..cache import PagedKvCache
+from ..cache import HybridKvCache, PagedKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.log import debug_enabled, get_logger
 from ..core.streams import stream_handle
@@ -38,6 +38,7 @@ from .retention import RetentionApi, RetentionEviction, priority_of
 from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, resolve_seed
 from .vllm_hash import SCHEME as VLLM_SCHEME
 from .hashing import chain_hash, int64_bytes, root_hash
+from .hybrid_prefix import HybridPrefixCache
 from .stats import PrefixCacheStats, PrefixCounters
 from .disk_tiering import DiskTiering
 from .tiering import HostTiering
@@ -98,7 +99,20 @@ class PrefixCache(RetentionApi):
 
     With `host_tier`, evicted blocks are demoted into it rather than dropped (see
     `pagedkv.sequences.tiering`); `num_cached_blocks`, `is_cached`, `block_hash` and
-    `block_references` speak of the device tier, `num_host_blocks` of the host tier."""
+    `block_references` speak of the device tier, `num_host_blocks` of the host tier.
+
+    Over a `HybridKvCache` it is a `HybridPrefixCache` (`pagedkv.sequences.hybrid_prefix`:
+    the cross-group match rule); host and disk tiers are refused there (KvCacheError)."""
+
+    def __new__(cls, cache=None, on_event=None, host_tier=None, swap_stream=0, disk_tier=None, **options):
+        if cls is PrefixCache and isinstance(cache, HybridKvCache):
+            if options:
+                raise KvCacheError(f"a cache with layer_groups does not take {', '.join(sorted(options))} yet")
+            if host_tier is not None or disk_tier is not None:
+                raise KvCacheError("host and disk tiers do not support a cache with layer_groups yet: "
+                                   "build the hybrid PrefixCache without host_tier/disk_tier")
+            return HybridPrefixCache(cache, on_event)
+        return super().__new__(cls)
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,
                  host_tier: "HostTier | None" = None, swap_stream: object = 0, disk_tier: "DiskTier | None" = None,

@@ -23,6 +23,7 @@ from threading import get_ident
 from typing import Hashable, Sequence
 
 from ..backends.protocol import GpuBackend
+from ..cache.hybrid_cache import HybridKvCache
 from ..cache.paged_cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
@@ -33,6 +34,7 @@ from .batch import KeptBatch
 from .block_keys import block_keys
 from .drafting import DraftingSteps
 from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
+from .hybrid_table import HybridSequenceTable
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
 
@@ -95,7 +97,15 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
 
     One thread at a time: the table shares its prefix cache's guard (or has its own), and a
     call entering while another thread is inside raises ConcurrentUseError, changing
-    nothing. Prefix-cache events caused by a call are delivered when the call is done."""
+    nothing. Prefix-cache events caused by a call are delivered when the call is done.
+
+    Over a `HybridKvCache` (a config with `layer_groups`) it is a `HybridSequenceTable`
+    (`pagedkv.sequences.hybrid_table`): per-group block lists, state slots, checkpoints."""
+
+    def __new__(cls, cache=None, *args, **kwargs):
+        if cls is SequenceTable and isinstance(cache, HybridKvCache):
+            return HybridSequenceTable(cache, *args, **kwargs)
+        return super().__new__(cls)
 
     _step_arguments = staticmethod(_step_arguments)  # for the drafting side
 

@@ -11,7 +11,7 @@ skipped); `conformance_tests(factory)` gives the same rules as pytest test funct
 `RULES` lists them (name, contract, capabilities needed): the protocol rules, then the
 cache's behaviour over the backend. Importing this package does not import pytest.
 
-May import: `pagedkv.events`, `pagedkv.sequences`, `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.kv`,
+May import: `pagedkv.events`, `pagedkv.sequences`, `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`,
 `pagedkv.interop`, `pagedkv.driver`, `pagedkv.backends`, `pagedkv.codecs`, `pagedkv.core`,
 `pagedkv.errors`.
 """

@@ -5,6 +5,6 @@ in a directory below a host tier, kept across restarts; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
 imported lazily).
 
-May import: `pagedkv.cache`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
+May import: `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
 `pagedkv.errors`.
 """

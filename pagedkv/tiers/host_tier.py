@@ -27,6 +27,7 @@ import numpy as np
 
 from ..backends.capabilities import require
 from ..backends.protocol import GpuBackend
+from ..cache.hybrid_cache import refuse_hybrid
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..core.streams import stream_handle
@@ -98,6 +99,7 @@ class HostTier:
 
     def __init__(self, cache: PagedKvCache, num_blocks: int, gpu: GpuBackend, format: Any = None,
                  staging_blocks: int = 64):
+        refuse_hybrid(cache, "HostTier")
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         require(gpu, "host_tier", "HostTier")

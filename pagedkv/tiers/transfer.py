@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
+from ..cache.hybrid_cache import refuse_hybrid
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..errors import KvCacheError
@@ -187,6 +188,7 @@ class KvTransfer(PullMode):
 
     def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",),
                  clock: Callable[[], float] = time.time):
+        refuse_hybrid(cache, "KvTransfer")
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
         if not isinstance(name, str) or not name or "\x00" in name:

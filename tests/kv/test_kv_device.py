@@ -157,7 +157,7 @@ def test_readme_device_step_runs_over_the_stub(stub_env):
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (step,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "write_tokens" in block]
+    (step,) = [block for block in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "out_k=out_k" in block]
     assert "write_tokens" in step and "out_k=out_k" in step
     out = run_on_stub(stub_env, step + '\nprint("CHECK readme step ok")\n')
     assert "CHECK readme step ok" in out

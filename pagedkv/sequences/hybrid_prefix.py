@@ -1,0 +1,452 @@
+"""HybridPrefixCache: prefix caching over the groups of a `HybridKvCache`.
+
+One trie per adapter, keyed at the smallest attention block size (the hash unit `u`): a node
+at depth k stands for the exact tokens `[0, k*u)` (int64 bytes per unit, so a hash collision
+never hands one prompt another's KV; each node also carries the chained 64-bit hash that
+events report). A node holds, per group, at most one cached entry ending at its position: an
+attention group's block covering `[pos - block_size, pos)`, or a state group's checkpoint
+slot holding the state as of `pos`. No group's block size is inflated to another's.
+
+The match rule: the longest `p` (a multiple of the largest attention block size, at most
+`limit`) such that every full group holds all its blocks of `[0, p)`, every sliding group
+holds the blocks covering `[p - window, p)`, and every state group a checkpoint at `p`.
+
+The cache holds one reference of its own on every entry (block or slot) and is the
+`BlockReclaimer` of every group's allocator. Eviction (per group, when that group's free
+list runs short) takes entries only the cache holds: first sliding blocks no hit can use
+(no checkpoint or chain end within a window after them), then least recently used, deepest
+first. Events (`GroupBlockStored`, `GroupBlockRemoved`) carry the group index.
+
+Not here yet: host and disk tiers (refused at construction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+from ..cache.hybrid_cache import HybridKvCache
+from ..core.guard import ThreadGuard, guarded
+from ..core.validate import int64_bytes_of_ids, token_ids
+from ..errors import KvCacheError
+from ..groups.window import window_blocks_for_match
+from .events import EventQueue
+from .hashing import chain_hash, root_hash
+from .tree import adapter_id_checked
+
+
+@dataclass(frozen=True)
+class GroupBlockStored:
+    """An entry newly cached: `block_id` (a block, or a state slot) of `group`, ending at token
+    `position` of the chain whose unit hash there is `block_hash`."""
+
+    group: int
+    block_id: int
+    position: int
+    block_hash: int
+    adapter_id: int
+    kind: str = "stored"
+
+
+@dataclass(frozen=True)
+class GroupBlockRemoved:
+    """An entry evicted (or dropped by `clear`): `block_id` of `group` is free again."""
+
+    group: int
+    block_id: int
+    block_hash: int
+    kind: str = "removed"
+
+
+class HybridMatch(NamedTuple):
+    """A hybrid prefix match: `num_tokens` (p), and per group `group_blocks[g]` (the blocks
+    covering what group g needs at p: all of `[0, p)` for a full group, `[p - window, p)`
+    for a sliding one, first block index `first_block[g]`; [] for a state group) and
+    `checkpoints[g]` (a state group's checkpoint slot at p; None for attention groups). The
+    caller holds one reference on every block and slot listed (`release` drops them).
+    `blocks` is `group_blocks[0]`."""
+
+    blocks: list
+    num_tokens: int
+    group_blocks: tuple
+    checkpoints: tuple
+    first_block: tuple
+
+
+class _Node:
+    __slots__ = ("parent", "key", "depth", "children", "entries", "hash", "adapter_id")
+
+    def __init__(self, parent, key: bytes, depth: int, hash_: int, adapter_id: int):
+        self.parent, self.key, self.depth, self.hash, self.adapter_id = parent, key, depth, hash_, adapter_id
+        self.children: dict[bytes, _Node] = {}
+        self.entries: dict[int, int] = {}
+
+
+class _GroupReclaimer:
+    """The `BlockReclaimer` of one group's allocator: the prefix cache, for group `g`."""
+
+    def __init__(self, owner: "HybridPrefixCache", g: int):
+        self._owner, self._g = owner, g
+
+    def reclaim(self, n: int) -> bool:
+        return self._owner._reclaim(self._g, n)
+
+    def on_sole_reference(self, block: int) -> None:
+        self._owner._touch(self._g, block)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._owner._where[self._g]
+
+    def deliver_events(self) -> None:
+        self._owner.deliver_events()
+
+    def close(self) -> None:
+        self._owner.close()
+
+
+class HybridPrefixCache:
+    """A prefix cache over one `HybridKvCache` (see the module docstring). `PrefixCache(cache)`
+    builds one for a hybrid cache; `host_tier` and `disk_tier` are refused there."""
+
+    def __init__(self, cache: HybridKvCache, on_event: Callable | None = None):
+        if not isinstance(cache, HybridKvCache):
+            raise TypeError(f"cache must be a HybridKvCache, got {type(cache).__name__}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable, got {on_event!r}")
+        layout = cache.layout()
+        self._cache = cache
+        self._layout = layout
+        self._groups = layout.groups
+        attention = layout.attention_groups()
+        self._unit = min(layout.block_size(g) for g in attention)  # the hash unit
+        self._match_unit = layout.unit
+        self._ratio = {g: layout.block_size(g) // self._unit for g in attention}
+        self._states = layout.state_groups()
+        self._guard = ThreadGuard("this PrefixCache")
+        self._events = EventQueue(on_event, self._guard)
+        self._roots: dict[int, _Node] = {}
+        self._where: list[dict[int, _Node]] = [{} for _ in self._groups]
+        self._last: list[dict[int, int]] = [{} for _ in self._groups]
+        self._tick = 0
+        self._closed = False
+        self._reclaimers = [_GroupReclaimer(self, g) for g in range(len(self._groups))]
+        attached = []
+        try:
+            for g, rec in enumerate(self._reclaimers):
+                self._allocator(g).attach_reclaimer(rec)
+                attached.append(g)
+        except BaseException:
+            for g in attached:
+                self._allocator(g).detach_reclaimer(self._reclaimers[g])
+            raise
+        self.hits = self.queries = self.hit_tokens = self.query_tokens = 0
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _allocator(self, g: int):
+        return self._cache.group(g).allocator()
+
+    def cache(self) -> HybridKvCache:
+        """The hybrid cache this prefix cache serves."""
+        return self._cache
+
+    def host_tier(self):
+        """None: hybrid caches have no host tier yet."""
+        return None
+
+    def unit(self) -> int:
+        """Tokens per trie node (the smallest attention block size)."""
+        return self._unit
+
+    def deliver_events(self) -> None:
+        """Deliver queued events now."""
+        if self._events.consumer is None:
+            self._events.pending.clear()
+            return
+        self._events.deliver()
+
+    _deliver = deliver_events
+
+    def _emit(self, event) -> None:
+        if self._events.consumer is not None:
+            self._events.emit(event)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise KvCacheError(f"{what} on a closed prefix cache")
+
+    def closed(self) -> bool:
+        """True after `close()`."""
+        return self._closed
+
+    def _root(self, adapter_id: int) -> _Node:
+        root = self._roots.get(adapter_id)
+        if root is None:
+            root = self._roots[adapter_id] = _Node(None, b"", 0, root_hash(adapter_id), adapter_id)
+        return root
+
+    def _touch(self, g: int, entry: int) -> None:
+        if entry in self._where[g]:
+            self._tick += 1
+            self._last[g][entry] = self._tick
+
+    # -- match --------------------------------------------------------------------------
+
+    def _path(self, tokens: Sequence[int], limit: int, adapter_id: int) -> list[_Node]:
+        root = self._roots.get(adapter_id)
+        path: list[_Node] = []
+        if root is None:
+            return path
+        u, node = self._unit, root
+        data = int64_bytes_of_ids(list(tokens[: (limit // u) * u]))
+        step = 8 * u
+        for k in range(limit // u):
+            node = node.children.get(data[k * step:(k + 1) * step])
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _best(self, path: list[_Node], limit: int) -> int:
+        """The longest p the match rule allows along `path`, at most `limit` (0 when none)."""
+        u, L = self._unit, self._match_unit
+        depth = len(path)
+        full_until, missing = {}, {}
+        for g, group in enumerate(self._groups):
+            if not group.is_attention():
+                continue
+            r = self._ratio[g]
+            present = [path[(i + 1) * r - 1].entries.get(g) is not None for i in range(depth // r)]
+            if group.kind == "full":
+                run = 0
+                while run < len(present) and present[run]:
+                    run += 1
+                full_until[g] = run * r * u
+            else:
+                acc = [0]
+                for ok in present:
+                    acc.append(acc[-1] + (not ok))
+                missing[g] = acc
+        best = (min(limit, depth * u) // L) * L
+        while best > 0:
+            k = best // u
+            ok = all(best <= full_until[g] for g in full_until)
+            if ok:
+                for g, acc in missing.items():
+                    span = window_blocks_for_match(best, self._groups[g].window, self._layout.block_size(g))
+                    if acc[span.stop] - acc[span.start]:
+                        ok = False
+                        break
+            if ok and all(g in path[k - 1].entries for g in self._states):
+                return best
+            best -= L
+        return 0
+
+    @guarded
+    def match(self, tokens: Sequence[int], adapter_id: int = 0, limit: int | None = None) -> HybridMatch:
+        """The longest hybrid prefix of `tokens` (ending at most at `limit`, default all of
+        them) under the match rule, with one reference taken on each block and checkpoint
+        it lists (give them back with `release`, or hand the match to `SequenceTable.add`)."""
+        self._check_open("match")
+        tokens = token_ids(tokens, "tokens")
+        adapter_id = adapter_id_checked(adapter_id)
+        limit = len(tokens) if limit is None else min(int(limit), len(tokens))
+        path = self._path(tokens, limit, adapter_id)
+        p = self._best(path, limit)
+        self.queries += 1
+        self.query_tokens += len(tokens)
+        if p:
+            self.hits += 1
+            self.hit_tokens += p
+        group_blocks, checkpoints, first = [], [], []
+        for g, group in enumerate(self._groups):
+            if not group.is_attention():
+                group_blocks.append([])
+                first.append(0)
+                slot = path[p // self._unit - 1].entries[g] if p else None
+                checkpoints.append(slot)
+                if slot is not None:
+                    self._take(g, [slot])
+                continue
+            checkpoints.append(None)
+            bs, r = self._layout.block_size(g), self._ratio[g]
+            span = range(0, p // bs) if group.kind == "full" else window_blocks_for_match(p, group.window, bs)
+            blocks = [path[(i + 1) * r - 1].entries[g] for i in span]
+            self._take(g, blocks)
+            group_blocks.append(blocks)
+            first.append(span.start if p else 0)
+        return HybridMatch(group_blocks[0], p, tuple(group_blocks), tuple(checkpoints), tuple(first))
+
+    def _take(self, g: int, entries: list[int]) -> None:
+        if entries:
+            self._allocator(g).inc_refs(entries)
+            for entry in entries:
+                self._touch(g, entry)
+
+    @guarded
+    def release(self, found: HybridMatch) -> None:
+        """Drop the references a `match` took."""
+        for g, blocks in enumerate(found.group_blocks):
+            if blocks:
+                self._allocator(g).free_blocks(blocks)
+        for g, slot in enumerate(found.checkpoints):
+            if slot is not None:
+                self._allocator(g).free_blocks([slot])
+        self.deliver_events()
+
+    # -- store --------------------------------------------------------------------------
+
+    @guarded
+    def store(self, tokens: Sequence[int], adapter_id: int, group_entries: dict) -> int:
+        """Cache entries of one chain: `group_entries[g]` lists `(position, id)` pairs, each an
+        entry of group g ending at `position` (a block's end, or a checkpoint's position, a
+        multiple of the unit) within `tokens`. A position that already holds an entry of g
+        keeps it (the new id is not cached). The cache takes its own reference on each entry
+        it caches; the caller keeps its own. Returns how many entries were cached."""
+        self._check_open("store")
+        ends = [pos for pairs in group_entries.values() for pos, _ in pairs]
+        if not ends:
+            return 0
+        deepest = max(ends)
+        if deepest > len(tokens):
+            raise ValueError(f"an entry ends at {deepest}, past the {len(tokens)} tokens given")
+        u = self._unit
+        data = int64_bytes_of_ids(list(tokens[: (deepest // u) * u]))
+        node, path, step = self._root(adapter_id), [], 8 * u
+        for k in range(deepest // u):
+            key = data[k * step:(k + 1) * step]
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node(node, key, k + 1, chain_hash(node.hash, tokens[k * u:(k + 1) * u]),
+                                                   adapter_id)
+            node = child
+            path.append(node)
+        stored = 0
+        for g, pairs in group_entries.items():
+            for pos, entry in pairs:
+                if pos % u or pos <= 0:
+                    raise ValueError(f"group {g} entry at position {pos}: not a positive multiple of the unit {u}")
+                target = path[pos // u - 1]
+                if g in target.entries or entry in self._where[g]:
+                    continue
+                self._allocator(g).inc_ref(entry)
+                target.entries[g] = entry
+                self._where[g][entry] = target
+                self._touch(g, entry)
+                stored += 1
+                self._emit(GroupBlockStored(g, entry, pos, target.hash, adapter_id))
+        self._prune(path[-1] if path else None)
+        return stored
+
+    # -- eviction -----------------------------------------------------------------------
+
+    def _useful(self, g: int, node: _Node) -> bool:
+        """A sliding block some hit may still use: a checkpoint of every state group (or a
+        chain end) within a window after it. Always True without state groups."""
+        if not self._states:
+            return True
+        reach = node.depth + self._groups[g].window // self._unit
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if not n.children or all(s in n.entries for s in self._states):
+                return True
+            if n.depth < reach:
+                stack.extend(n.children.values())
+        return False
+
+    def _reclaim(self, g: int, n: int) -> bool:
+        alloc = self._allocator(g)
+        where, last = self._where[g], self._last[g]
+        candidates = [e for e in where if alloc.ref_count(e) == 1]
+        if len(candidates) < n:
+            return False
+        sliding = self._groups[g].kind == "sliding"
+        candidates.sort(key=lambda e: (sliding and self._useful(g, where[e]), last[e], -where[e].depth))
+        for entry in candidates[:n]:
+            self._drop(g, entry)
+        return True
+
+    def _drop(self, g: int, entry: int) -> None:
+        self._allocator(g).return_evicted_block(entry)  # while still listed: the allocator asks is_cached
+        node = self._where[g].pop(entry)
+        del self._last[g][entry]
+        del node.entries[g]
+        self._emit(GroupBlockRemoved(g, entry, node.hash))
+        self._prune(node)
+
+    def _prune(self, node: _Node | None) -> None:
+        while node is not None and node.parent is not None and not node.entries and not node.children:
+            del node.parent.children[node.key]
+            node = node.parent
+
+    @guarded
+    def evict(self, group: int, n: int) -> int:
+        """Evict up to `n` entries of `group` that only the cache holds; returns how many."""
+        self._check_open("evict")
+        alloc = self._allocator(group)
+        count = min(n, sum(1 for e in self._where[group] if alloc.ref_count(e) == 1))
+        if count:
+            self._reclaim(group, count)
+        self.deliver_events()
+        return count
+
+    @guarded
+    def clear(self) -> None:
+        """Drop every entry only the cache holds... and every other: the cache's own
+        references go back (entries a sequence still holds stay with it)."""
+        for g in range(len(self._groups)):
+            for entry in list(self._where[g]):
+                self._drop(g, entry)
+        self.deliver_events()
+
+    @guarded
+    def close(self) -> None:
+        """Give back every reference and detach from every group (idempotent)."""
+        if self._closed:
+            return
+        for g in range(len(self._groups)):
+            for entry in list(self._where[g]):
+                self._drop(g, entry)
+        self._closed = True
+        for g, rec in enumerate(self._reclaimers):
+            self._allocator(g).detach_reclaimer(rec)
+
+    # -- queries ------------------------------------------------------------------------
+
+    def num_cached(self, group: int) -> int:
+        """Entries `group` has cached."""
+        return len(self._where[self._layout.check_group(group)])
+
+    def is_cached(self, group: int, entry: int) -> bool:
+        """True when block (or slot) `entry` of `group` is cached."""
+        return entry in self._where[self._layout.check_group(group)]
+
+    def entries(self) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """Every cached entry as `(adapter_id, tokens of [0, position), group, id)`: for tests
+        and brute-force references (O(entries * depth))."""
+        out = []
+        for g, where in enumerate(self._where):
+            for entry, node in where.items():
+                keys, n = [], node
+                while n.parent is not None:
+                    keys.append(n.key)
+                    n = n.parent
+                data = b"".join(reversed(keys))
+                tokens = tuple(int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8))
+                out.append((node.adapter_id, tokens, g, entry))
+        return out
+
+    def block_references(self, group: int) -> dict[int, int]:
+        """entry -> 1 for every entry of `group` the cache holds."""
+        return dict.fromkeys(self._where[self._layout.check_group(group)], 1)
+
+    def check_invariants(self) -> None:
+        """Every entry is on one node that lists it, and holds a count >= 1."""
+        for g, where in enumerate(self._where):
+            alloc = self._allocator(g)
+            for entry, node in where.items():
+                if node.entries.get(g) != entry:
+                    raise KvCacheError(f"group {g} entry {entry} is not on its node")
+                if alloc.ref_count(entry) < 1:
+                    raise KvCacheError(f"group {g} cached entry {entry} has count 0")

@@ -1,0 +1,561 @@
+"""HybridSequenceTable: per-sequence block lists, state slots and checkpoints over the groups
+of a `HybridKvCache`. `SequenceTable(cache, ...)` builds one for a hybrid cache.
+
+Per attention group a sequence holds its own blocks (ids of that group): a full group every
+block of its tokens, a sliding group only the blocks that intersect its last `window`
+tokens (older ones are released as it grows, offered first to the prefix cache when their
+KV was written and their tokens are known), so at most `ceil(window / block_size) + 1`.
+Per state group it owns one live slot (zeroed at `add`, or copied from the matched
+checkpoint; copied on `fork`). With a prefix cache, the step (`add`/`append`) that reaches a
+checkpoint position (the end of the prompt's last whole match unit, and every
+`checkpoint_every` tokens) is given a checkpoint slot per state group (`checkpoint_slots`);
+`cache_prefix` and `free` hand them to the prefix cache with the blocks.
+
+All-or-nothing like `SequenceTable`: on any error every count is as it was (cached entries
+evicted to make room stay evicted). Without a backend, copies are left to the engine:
+`take_pending_copies()` returns `(group, src, dst)` triples (blocks of an attention group,
+slots of a state group).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from ..backends.protocol import GpuBackend
+from ..cache.hybrid_cache import HybridKvCache
+from ..core.guard import ThreadGuard, guarded
+from ..core.streams import stream_handle
+from ..core.validate import non_negative_int
+from ..core.validate import token_ids as valid_token_ids
+from ..errors import KvCacheError
+from ..groups.window import first_live_block, max_live_blocks
+from .exports import ExportBuffers, Exported, page_table_of
+from .hybrid_prefix import HybridMatch, HybridPrefixCache
+from .tree import adapter_id_checked
+
+
+class _Held:
+    """One attention group's part of a sequence (the record the export builders read)."""
+
+    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start")
+
+    def __init__(self, blocks: list[int], dropped: int, num_tokens: int, step_start: int):
+        self.blocks, self.dropped, self.maybe_shared = blocks, dropped, False
+        self.num_tokens, self.step_start = num_tokens, step_start
+
+
+class _HSeq:
+    __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
+                 "checkpoints", "step_checkpoint")
+
+    def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
+        self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
+        self.adapter_id, self.step_start = adapter_id, step_start
+        self.held: dict[int, _Held] = {}
+        self.slots: dict[int, int] = {}  # state group -> live slot
+        self.checkpoints: dict[int, list[tuple[int, int]]] = {}  # state group -> [(position, slot)]
+        self.step_checkpoint: dict[int, int] = {}  # state group -> slot of the latest step, or -1
+
+
+class _Undo:
+    """What a step took so far, given back on failure: (group, ids) pairs."""
+
+    def __init__(self, cache: HybridKvCache):
+        self.cache, self.taken = cache, []
+
+    def alloc(self, g: int, n: int) -> list[int]:
+        ids = self.cache.group(g).alloc_blocks(n)
+        self.taken.append((g, ids))
+        return ids
+
+    def undo(self) -> None:
+        for g, ids in reversed(self.taken):
+            if ids:
+                self.cache.group(g).free_blocks(ids)
+        self.taken = []
+
+
+class HybridSequenceTable:
+    """Sequences over a hybrid cache; see the module docstring and `SequenceTable`."""
+
+    def __init__(self, cache: HybridKvCache, prefix_cache: HybridPrefixCache | None = None,
+                 gpu: GpuBackend | None = None, stream: int = 0):
+        if not isinstance(cache, HybridKvCache):
+            raise TypeError(f"cache must be a HybridKvCache, got {type(cache).__name__}")
+        if prefix_cache is not None:
+            if not isinstance(prefix_cache, HybridPrefixCache):
+                raise TypeError(f"prefix_cache must be a PrefixCache of a hybrid cache, got {type(prefix_cache).__name__}")
+            if prefix_cache.cache() is not cache:
+                raise ValueError("prefix_cache is attached to a different cache")
+        stream_handle(stream)
+        layout = cache.layout()
+        self._cache, self._layout, self._prefix = cache, layout, prefix_cache
+        self._gpu, self._stream = gpu, stream
+        self._attn, self._states = layout.attention_groups(), layout.state_groups()
+        self._bs = {g: layout.block_size(g) for g in self._attn}
+        self._window = {g: layout.groups[g].window for g in self._attn}
+        self._unit = layout.unit
+        self._every = {g: layout.groups[g].checkpoint_every for g in self._states}
+        self._seqs: dict[Hashable, _HSeq] = {}
+        self._pending: list[tuple[int, int, int]] = []
+        self._pending_refs: list[tuple[int, int]] = []
+        self._exports = ExportBuffers(gpu, stream)
+        self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
+
+    def _deliver(self) -> None:
+        if self._prefix is not None:
+            self._prefix.deliver_events()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _span(self, g: int, n: int) -> tuple[int, int]:
+        """Block indices [first, end) group g holds for a sequence of n tokens."""
+        bs, window = self._bs[g], self._window[g]
+        first = first_live_block(n, window, bs) if window is not None else 0
+        return first, -(-n // bs)
+
+    def _checkpoint_at(self, g: int, old: int, total: int, prompt: bool) -> int:
+        """The latest checkpoint position of state group g in (old, total], or 0."""
+        best = 0
+        if prompt:
+            best = (total // self._unit) * self._unit
+        every = self._every[g]
+        if every:
+            best = max(best, (total // every) * every)
+        return best if best > old else 0
+
+    def _init_blocks(self, g: int, blocks: list[int]) -> None:
+        if blocks and self._gpu is not None:
+            self._cache.group(g).init_blocks(blocks, self._gpu, self._stream)
+
+    def _copy(self, g: int, src: int, dst: int) -> None:
+        if self._gpu is None:
+            self._pending.append((g, src, dst))
+        elif self._layout.groups[g].is_attention():
+            self._cache.group(g).copy_blocks([(src, dst)], self._gpu, self._stream)
+        else:
+            self._cache.group(g).pools().copy([src], [dst], self._gpu, self._stream)
+
+    def _zero_slots(self, g: int, slots: list[int]) -> None:
+        if slots and self._gpu is not None:
+            self._cache.group(g).pools().fill(slots, 0, self._gpu, self._stream)
+
+    def _get(self, seq_id: Hashable) -> _HSeq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    @guarded
+    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
+        """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
+        match: whole match units, never the last prompt token). Each attention group reuses
+        its matched blocks (a sliding group only those its window still needs), each state
+        group copies the matched checkpoint into the new live slot (zeroed without a hit).
+        KvCacheExhausted (nothing changed) when a group runs out."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
+        adapter_id = adapter_id_checked(adapter_id)
+        n = len(tokens)
+        prefix = self._prefix
+        found = None
+        if prefix is not None and n > 1:
+            found = prefix.match(tokens, adapter_id, limit=n - 1)
+        p = found.num_tokens if found is not None else 0
+        undo = _Undo(self._cache)
+        seq = _HSeq(n, tokens, adapter_id, p)
+        dropping: list[tuple[int, list[int]]] = []
+        try:
+            for g in self._attn:
+                first, end = self._span(g, n)
+                matched = found.group_blocks[g] if found is not None else []
+                start = found.first_block[g] if found is not None else 0
+                keep = [b for i, b in enumerate(matched, start) if i >= first]
+                dropping.append((g, [b for i, b in enumerate(matched, start) if i < first]))
+                fresh = undo.alloc(g, end - max(p // self._bs[g], first))
+                self._init_blocks(g, fresh)
+                seq.held[g] = _Held(keep + fresh, first if end else 0, n, p)
+            for g in self._states:
+                (live,) = undo.alloc(g, 1)
+                ckpt = found.checkpoints[g] if found is not None else None
+                if ckpt is None:
+                    self._zero_slots(g, [live])
+                seq.slots[g] = live
+                seq.checkpoints[g] = []
+                seq.step_checkpoint[g] = -1
+                at = self._checkpoint_at(g, p, n, prompt=True) if prefix is not None else 0
+                if at:
+                    (slot,) = undo.alloc(g, 1)
+                    seq.checkpoints[g].append((at, slot))
+                    seq.step_checkpoint[g] = slot
+            for g in self._states:  # last: nothing after this can fail
+                ckpt = found.checkpoints[g] if found is not None else None
+                if ckpt is not None:
+                    self._copy(g, ckpt, seq.slots[g])
+        except BaseException:
+            undo.undo()
+            if found is not None:
+                prefix.release(found)
+            raise
+        if found is not None:
+            for g, blocks in dropping:
+                if blocks:
+                    self._cache.group(g).free_blocks(blocks)
+            for g in self._states:
+                ckpt = found.checkpoints[g]
+                if ckpt is not None:
+                    if self._gpu is None:
+                        self._pending_refs.append((g, ckpt))  # kept until the engine took the copy
+                    else:
+                        self._cache.group(g).free_blocks([ckpt])
+        self._seqs[seq_id] = seq
+        return p
+
+    @guarded
+    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+        """Extend a sequence by `n_tokens` (default len(token_ids), else 1) in every group:
+        new blocks at block boundaries, a shared partly filled last block copied first, a
+        sliding group's blocks wholly out of its window released; a checkpoint slot when the
+        step reaches a `checkpoint_every` position. KvCacheExhausted, nothing changed, when a
+        group runs out."""
+        seq = self._get(seq_id)
+        if token_ids is not None:
+            token_ids = valid_token_ids(token_ids, "token_ids")
+            if n_tokens is None:
+                n_tokens = len(token_ids)
+            elif n_tokens != len(token_ids):
+                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
+        n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
+        old = seq.num_tokens
+        total = old + n_tokens
+        undo = _Undo(self._cache)
+        plans = []
+        try:
+            for g in self._attn:
+                held, bs = seq.held[g], self._bs[g]
+                first, end = self._span(g, total)
+                have = held.dropped + len(held.blocks)
+                last = have - 1
+                copy = int(bool(n_tokens and held.maybe_shared and old % bs and last >= first
+                                and self._cache.group(g).ref_count(held.blocks[-1]) > 1))
+                start = max(have, first)
+                fresh = undo.alloc(g, max(end - start, 0) + copy)
+                self._init_blocks(g, fresh[copy:])
+                plans.append((g, first, start, fresh, copy))
+            new_ckpts = []
+            if self._prefix is not None:
+                for g in self._states:
+                    at = self._checkpoint_at(g, old, total, prompt=False)
+                    if at:
+                        (slot,) = undo.alloc(g, 1)
+                        new_ckpts.append((g, at, slot))
+            for g, first, start, fresh, copy in plans:
+                if copy:
+                    self._copy(g, seq.held[g].blocks[-1], fresh[0])
+        except BaseException:
+            undo.undo()
+            raise
+        if token_ids is None and n_tokens:
+            seq.tokens_known = False
+        elif seq.tokens_known and n_tokens:
+            seq.tokens += token_ids
+        for g, first, start, fresh, copy in plans:
+            self._commit(seq, g, old, total, first, start, fresh, copy, n_tokens)
+        for g in self._states:
+            seq.step_checkpoint[g] = -1
+        for g, at, slot in new_ckpts:
+            seq.checkpoints[g].append((at, slot))
+            seq.step_checkpoint[g] = slot
+        seq.num_tokens, seq.step_start = total, old
+
+    def _commit(self, seq: _HSeq, g: int, old: int, total: int, first: int, start: int, fresh: list[int],
+                copy: int, n_tokens: int) -> None:
+        held, bs, group = seq.held[g], self._bs[g], self._cache.group(g)
+        if copy:
+            shared, held.blocks[-1] = held.blocks[-1], fresh[0]
+            group.dec_ref(shared)
+        if n_tokens:
+            held.maybe_shared = False
+        old_first = held.dropped
+        blocks = held.blocks + fresh[copy:]
+        if start > old_first + len(held.blocks):  # a gap: every held block is out of the window
+            out = len(held.blocks)
+        else:
+            out = max(first - old_first, 0)
+        released, kept = blocks[:out], blocks[out:]
+        if released:
+            self._offer_released(seq, g, old_first, released, old)
+            group.free_blocks(released)
+        held.blocks = kept
+        held.dropped = first if kept else (start if fresh else old_first + out)
+        held.num_tokens, held.step_start = total, old
+
+    def _offer_released(self, seq: _HSeq, g: int, first: int, blocks: list[int], written: int) -> None:
+        """Offer a sliding group's released blocks whose KV was written (end <= `written`)
+        and whose tokens are known, before they are freed."""
+        prefix = self._prefix
+        if prefix is None or prefix.closed():
+            return
+        bs, known = self._bs[g], min(len(seq.tokens), written)
+        pairs = [((i + 1) * bs, b) for i, b in enumerate(blocks, first) if (i + 1) * bs <= known]
+        if pairs:
+            prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+
+    @guarded
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """Start `dst` as a copy of `src`: every attention block shared (copy-on-write of a
+        partly filled last block at the first write), each state slot copied into a new one."""
+        parent = self._get(src)
+        if dst in self._seqs:
+            raise ValueError(f"sequence {dst!r} already exists")
+        undo = _Undo(self._cache)
+        child = _HSeq(parent.num_tokens, list(parent.tokens), parent.adapter_id, parent.num_tokens)
+        child.tokens_known = parent.tokens_known
+        try:
+            for g in self._states:
+                (slot,) = undo.alloc(g, 1)
+                child.slots[g], child.checkpoints[g], child.step_checkpoint[g] = slot, [], -1
+            for g in self._states:
+                self._copy(g, parent.slots[g], child.slots[g])
+        except BaseException:
+            undo.undo()
+            raise
+        for g in self._attn:
+            held = parent.held[g]
+            self._cache.group(g).inc_refs(held.blocks)
+            twin = child.held[g] = _Held(list(held.blocks), held.dropped, held.num_tokens, held.num_tokens)
+            if parent.num_tokens % self._bs[g]:
+                held.maybe_shared = twin.maybe_shared = True
+        self._seqs[dst] = child
+
+    def _offer(self, seq: _HSeq) -> int:
+        prefix = self._prefix
+        if prefix is None or prefix.closed():
+            return 0
+        limit = min(len(seq.tokens), seq.num_tokens)
+        entries = {}
+        for g in self._attn:
+            held, bs = seq.held[g], self._bs[g]
+            pairs = [((i + 1) * bs, b) for i, b in enumerate(held.blocks, held.dropped) if (i + 1) * bs <= limit]
+            if pairs:
+                entries[g] = pairs
+        for g in self._states:
+            pairs = [(pos, slot) for pos, slot in seq.checkpoints[g] if pos <= limit]
+            if pairs:
+                entries[g] = pairs
+        return prefix.store(seq.tokens, seq.adapter_id, entries) if entries else 0
+
+    def _drop_checkpoints(self, seq: _HSeq) -> None:
+        for g in self._states:
+            slots = [slot for _, slot in seq.checkpoints[g]]
+            seq.checkpoints[g] = []
+            if slots:
+                self._cache.group(g).free_blocks(slots)
+
+    @guarded
+    def free(self, seq_id: Hashable) -> None:
+        """End a sequence: offer its written, known blocks and its checkpoints to the prefix
+        cache, then drop every reference (blocks, live slots, checkpoint slots)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        try:
+            self._offer(seq)
+        finally:
+            self._drop_checkpoints(seq)
+            for g in self._attn:
+                self._cache.group(g).free_blocks(seq.held[g].blocks)
+            for g in self._states:
+                self._cache.group(g).free_blocks([seq.slots[g]])
+
+    @guarded
+    def cache_prefix(self, seq_id: Hashable) -> int:
+        """Offer a live sequence's written, known blocks and its checkpoints now (call it once
+        the step's KV and checkpoint states are written); returns how many entries were newly
+        cached. The sequence keeps its blocks; its checkpoint slots go to the cache."""
+        seq = self._get(seq_id)
+        if self._prefix is None:
+            return 0
+        self._prefix._check_open("cache_prefix")
+        try:
+            return self._offer(seq)
+        finally:
+            self._drop_checkpoints(seq)
+
+    @guarded
+    def take_pending_copies(self) -> list[tuple[int, int, int]]:
+        """`(group, src, dst)` copies a table without a backend could not perform (attention
+        blocks: `cache.group(g).copy_blocks`; state slots: `cache.copy_state`); the engine
+        must perform them before its next step. Returns and forgets them (and the references
+        that kept matched checkpoints alive until now)."""
+        pairs, self._pending = self._pending, []
+        refs, self._pending_refs = self._pending_refs, []
+        for g, slot in refs:
+            self._cache.group(g).free_blocks([slot])
+        return pairs
+
+    # -- queries ------------------------------------------------------------------------
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_ids(self) -> list[Hashable]:
+        """Live sequence ids, in the order they were added."""
+        return list(self._seqs)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens in the sequence."""
+        return self._get(seq_id).num_tokens
+
+    def _attention(self, group: int) -> int:
+        g = self._layout.check_group(group)
+        if g not in self._bs:
+            raise ValueError(f"group {g} is a state group: it has no blocks")
+        return g
+
+    def _state(self, group: int | None) -> int:
+        if group is None:
+            if len(self._states) != 1:
+                raise ValueError(f"the cache has {len(self._states)} state groups: name one with group=")
+            return self._states[0]
+        g = self._layout.check_group(group)
+        if g not in self._states:
+            raise ValueError(f"group {g} is not a state group")
+        return g
+
+    def blocks(self, seq_id: Hashable, group: int = 0) -> list[int]:
+        """The blocks the sequence holds in attention group `group`, oldest first (a copy)."""
+        return list(self._get(seq_id).held[self._attention(group)].blocks)
+
+    def first_block_position(self, seq_id: Hashable, group: int = 0) -> int:
+        """Token position where the sequence's first held block of `group` starts."""
+        g = self._attention(group)
+        return self._get(seq_id).held[g].dropped * self._bs[g]
+
+    def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[_HSeq]:
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
+        ids = list(seq_ids)
+        if len(set(ids)) != len(ids):
+            dup = next(s for s in ids if ids.count(s) > 1)
+            raise ValueError(f"sequence {dup!r} is listed more than once in seq_ids")
+        return [self._get(s) for s in ids]
+
+    def _upload(self, kind: str, arrays: list[np.ndarray]):
+        return self._exports.upload(kind, arrays)
+
+    @guarded
+    def block_table(self, seq_ids: Iterable[Hashable], group: int = 0) -> Exported:
+        """`[num_seqs, max_blocks]` int32 held blocks of attention group `group`, -1 padded."""
+        g = self._attention(group)
+        helds = [s.held[g] for s in self._seq_list(seq_ids)]
+        width = max((len(h.blocks) for h in helds), default=0)
+        table = np.full((len(helds), width), -1, dtype=np.int32)
+        for i, h in enumerate(helds):
+            table[i, : len(h.blocks)] = h.blocks
+        return Exported(table, self._upload(f"block_table:{g}", [table]))
+
+    @guarded
+    def page_table(self, seq_ids: Iterable[Hashable], group: int = 0) -> Exported:
+        """The CSR triple of attention group `group`'s held blocks (see `SequenceTable.page_table`)."""
+        g = self._attention(group)
+        host = page_table_of([s.held[g] for s in self._seq_list(seq_ids)], self._bs[g])
+        device = self._upload(f"page_table:{g}", list(host))
+        return Exported(host, None if device is None else type(host)(*device))
+
+    @guarded
+    def slot_mapping(self, seq_ids: Iterable[Hashable], group: int = 0, pad_to: int | None = None) -> Exported:
+        """int64 slots in attention group `group` of the positions each sequence's latest step
+        introduced (-1 for a position whose block the window no longer holds), -1 padded."""
+        g = self._attention(group)
+        bs, out = self._bs[g], []
+        for seq in self._seq_list(seq_ids):
+            h = seq.held[g]
+            for pos in range(h.step_start, h.num_tokens):
+                i = pos // bs - h.dropped
+                out.append(h.blocks[i] * bs + pos % bs if 0 <= i < len(h.blocks) else -1)
+        slots = np.array(out, dtype=np.int64)
+        if pad_to is not None:
+            pad_to = non_negative_int(pad_to, "pad_to")
+            if pad_to < slots.size:
+                raise ValueError(f"pad_to must be an int >= the {slots.size} slots, got {pad_to!r}")
+            slots = np.concatenate([slots, np.full(pad_to - slots.size, -1, dtype=np.int64)])
+        return Exported(slots, self._upload(f"slot_mapping:{g}", [slots]))
+
+    @guarded
+    def state_slots(self, seq_ids: Iterable[Hashable], group: int | None = None) -> Exported:
+        """int32, one per sequence: its live slot in state group `group` (the only one when None)."""
+        g = self._state(group)
+        slots = np.array([s.slots[g] for s in self._seq_list(seq_ids)], dtype=np.int32)
+        return Exported(slots, self._upload(f"state_slots:{g}", [slots]))
+
+    @guarded
+    def checkpoint_slots(self, seq_ids: Iterable[Hashable], group: int | None = None) -> Exported:
+        """int32, one per sequence: the checkpoint slot its latest `add`/`append` was given in
+        state group `group` (-1 where that step reached no checkpoint position). The engine
+        writes the state as of that position there (or `cache.copy_state` from the live slot)."""
+        g = self._state(group)
+        slots = np.array([s.step_checkpoint[g] for s in self._seq_list(seq_ids)], dtype=np.int32)
+        return Exported(slots, self._upload(f"checkpoint_slots:{g}", [slots]))
+
+    def checkpoint_position(self, seq_id: Hashable, group: int | None = None) -> int:
+        """The token position of the latest step's checkpoint in state group `group` (-1: none)."""
+        g = self._state(group)
+        seq = self._get(seq_id)
+        slot = seq.step_checkpoint[g]
+        return next((pos for pos, s in seq.checkpoints[g] if s == slot), -1) if slot != -1 else -1
+
+    @guarded
+    def check_invariants(self) -> None:
+        """Every group's counts equal the references the table, its prefix cache and pending
+        copies hold; no sliding group holds more than its window needs."""
+        for g in range(self._layout.num_groups()):
+            held: dict[int, int] = {}
+
+            def count(x: int) -> None:
+                held[x] = held.get(x, 0) + 1
+
+            for seq_id, seq in self._seqs.items():
+                if g in self._bs:
+                    h = seq.held[g]
+                    first, end = self._span(g, seq.num_tokens)
+                    if (h.dropped, h.dropped + len(h.blocks)) != (first, end) and h.blocks:
+                        raise KvCacheError(f"sequence {seq_id!r} group {g} holds blocks {h.dropped}.."
+                                           f"{h.dropped + len(h.blocks)} for span {first}..{end}")
+                    if self._window[g] is not None and len(h.blocks) > max_live_blocks(self._window[g], self._bs[g]):
+                        raise KvCacheError(f"sequence {seq_id!r} holds {len(h.blocks)} blocks of sliding group {g}")
+                    for b in h.blocks:
+                        count(b)
+                else:
+                    count(seq.slots[g])
+                    for _, slot in seq.checkpoints[g]:
+                        count(slot)
+            for pg, slot in self._pending_refs:
+                if pg == g:
+                    count(slot)
+            if self._prefix is not None:
+                for x in self._prefix.block_references(g):
+                    count(x)
+            self._cache.group(g).allocator().check_invariants(held)
+        if self._prefix is not None:
+            self._prefix.check_invariants()
+
+    def label(self) -> str:
+        """A short name for teardown messages."""
+        return f"HybridSequenceTable({len(self._seqs)} sequences)"
+
+    @guarded
+    def release(self, gpu: GpuBackend | None = None) -> None:
+        """Free the export buffers (see `SequenceTable.release`)."""
+        self._exports.release(gpu)
+
+
+__all__ = ["HybridMatch", "HybridSequenceTable"]

@@ -1,0 +1,196 @@
+"""HybridSequenceTable and HybridPrefixCache: exact block lists, sliding releases, state slots,
+checkpoints, fork, the cross-group match, exports per group, refusals of the tiers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv import HostBackend, HostTier, KvCacheConfig, KvCacheError, KvCacheExhausted, PagedKvCache, PrefixCache, SequenceTable
+from pagedkv.core.layer_groups import LayerGroup
+from pagedkv.groups.window import max_live_blocks
+from pagedkv.sequences.hybrid_prefix import GroupBlockRemoved, GroupBlockStored, HybridPrefixCache
+from pagedkv.sequences.hybrid_table import HybridSequenceTable
+
+
+def config(window=8, every=8, block_size=4, sliding_bs=None):
+    return KvCacheConfig(block_size, 1, 16, 3, "bf16", layer_groups=(
+        LayerGroup("full", (0,)),
+        LayerGroup("sliding", (1,), window=window, block_size=sliding_bs),
+        LayerGroup("state", (2,), state=(((4,), "float32"),), checkpoint_every=every),
+    ))
+
+
+def world(blocks=(32, 32, None), slots=None, gpu=True, **kw):
+    backend = HostBackend()
+    cache = PagedKvCache(config(**kw), list(blocks), backend, num_state_slots=slots)
+    events = []
+    prefix = PrefixCache(cache, on_event=events.append)
+    table = SequenceTable(cache, prefix, backend if gpu else None)
+    return backend, cache, prefix, table, events
+
+
+def test_the_table_and_prefix_cache_of_a_hybrid_cache_are_the_hybrid_ones():
+    _, cache, prefix, table, _ = world()
+    assert isinstance(table, HybridSequenceTable) and isinstance(prefix, HybridPrefixCache)
+    with pytest.raises(KvCacheError, match="host and disk tiers do not support"):
+        PrefixCache(cache, host_tier=object())
+    with pytest.raises(KvCacheError, match="HostTier does not support a cache with layer_groups"):
+        HostTier(cache, 4, HostBackend())
+
+
+def test_add_holds_every_full_block_and_only_the_window_of_a_sliding_group():
+    _, cache, _, table, _ = world()
+    assert table.add("a", list(range(100, 121))) == 0
+    assert table.blocks("a", 0) == [0, 1, 2, 3, 4, 5]
+    assert table.blocks("a", 1) == [0, 1, 2]  # blocks 3, 4, 5 of 21 tokens under an 8-token window
+    assert table.first_block_position("a", 1) == 12
+    assert cache.num_free_blocks(group=1) == 29
+    # the prompt's last whole unit ends at 20: the add step is given a checkpoint slot there
+    assert np.asarray(table.checkpoint_slots(["a"])).tolist() == [1]
+    assert table.checkpoint_position("a") == 20
+    assert np.asarray(table.state_slots(["a"])).tolist() == [0]
+    table.check_invariants()
+
+
+def test_append_releases_sliding_blocks_and_offers_the_written_ones():
+    _, cache, prefix, table, events = world()
+    table.add("a", list(range(100, 121)))
+    for i in range(10):
+        table.append("a", token_ids=[200 + i])
+        table.check_invariants()
+    assert table.num_tokens("a") == 31
+    assert table.blocks("a", 0) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert table.blocks("a", 1) == [2, 3, 4]
+    assert table.first_block_position("a", 1) == 20
+    # released sliding blocks 3 and 4 (ends 16 and 20) were offered before they were freed
+    assert prefix.num_cached(1) == 2
+    assert np.asarray(table.slot_mapping(["a"], group=1)).tolist() == [4 * 4 + 2]  # position 30
+    assert np.asarray(table.slot_mapping(["a"], group=0)).tolist() == [7 * 4 + 2]
+    assert np.asarray(table.checkpoint_slots(["a"])).tolist() == [-1]  # the step to 31 reached none
+    stored = [e for e in events if isinstance(e, GroupBlockStored)]
+    assert [(e.group, e.block_id, e.position) for e in stored] == [(1, 0, 16), (1, 1, 20)]
+
+
+def test_a_second_prompt_reuses_every_group_and_copies_the_checkpoint():
+    gpu, cache, prefix, table, _ = world()
+    prompt = list(range(100, 121))
+    table.add("a", prompt)
+    (slot,) = np.asarray(table.checkpoint_slots(["a"])).tolist()
+    cache.write_state(2, slot, [1, 2, 3, 4], gpu)  # the engine: the state as of position 20
+    for i in range(10):
+        table.append("a", token_ids=[200 + i])
+    table.free("a")
+    assert [prefix.num_cached(g) for g in range(3)] == [7, 4, 2]
+    assert table.add("b", prompt + [7]) == 20  # full 0..20, sliding [12, 20), checkpoint at 20
+    assert table.blocks("b", 0)[:5] == [0, 1, 2, 3, 4]
+    live = np.asarray(table.state_slots(["b"])).tolist()[0]
+    np.testing.assert_array_equal(cache.read_state(2, live, gpu), np.array([1, 2, 3, 4], np.float32))
+    # the hit took one reference per matched block in each group
+    assert cache.group(0).ref_count(0) == 2 and cache.group(2).ref_count(slot) == 1
+    table.check_invariants()
+
+
+def test_no_checkpoint_no_hit_and_a_shorter_unit_still_hits():
+    _, cache, prefix, table, _ = world()
+    table.add("a", list(range(6)))  # checkpoint at 4
+    table.free("a")
+    assert table.add("b", list(range(6))) == 4
+    assert table.add("c", list(range(3))) == 0  # no checkpoint at 0 < p <= 2
+    assert table.add("d", [9] + list(range(1, 6))) == 0
+
+
+def test_a_missing_sliding_block_limits_the_match_to_an_earlier_checkpoint():
+    _, cache, prefix, table, _ = world()
+    table.add("a", list(range(17)))  # prompt checkpoint at 16 and sliding blocks 2, 3, 4
+    table.free("a")
+    blocks = {tokens: entry for _, tokens, g, entry in prefix.entries() if g == 1}
+    assert sorted(len(t) for t in blocks) == [12, 16]
+    assert table.add("b", list(range(17))) == 16
+    table.free("b")
+    # evict the sliding block covering [12, 16): p = 16 needs it; no other checkpoint remains
+    alloc, taken = cache.group(1), []
+    while prefix.is_cached(1, blocks[tuple(range(16))]):
+        taken.append(alloc.alloc_block())
+    alloc.free_blocks(taken)
+    assert prefix.is_cached(1, blocks[tuple(range(12))])  # the LRU order took the deeper one first
+    assert table.add("c", list(range(17))) == 0
+    table.check_invariants()
+
+
+def test_fork_shares_blocks_and_copies_the_live_state():
+    gpu, cache, prefix, table, _ = world()
+    table.add("a", list(range(10)))
+    (live,) = np.asarray(table.state_slots(["a"])).tolist()
+    cache.write_state(2, live, [5, 6, 7, 8], gpu)
+    table.fork("a", "b")
+    (twin,) = np.asarray(table.state_slots(["b"])).tolist()
+    assert twin != live
+    np.testing.assert_array_equal(cache.read_state(2, twin, gpu), np.array([5, 6, 7, 8], np.float32))
+    assert table.blocks("b", 0) == table.blocks("a", 0) and table.blocks("b", 1) == table.blocks("a", 1)
+    table.append("b", token_ids=[1])  # the shared, partly filled last blocks are copied first
+    assert table.blocks("b", 0)[-1] != table.blocks("a", 0)[-1]
+    assert table.blocks("b", 1)[-1] != table.blocks("a", 1)[-1]
+    table.check_invariants()
+
+
+def test_without_a_backend_copies_are_left_to_the_engine():
+    _, cache, prefix, table, _ = world(gpu=False)
+    table.add("a", list(range(10)))
+    table.fork("a", "b")
+    table.append("b", token_ids=[1])
+    (a_live,), (b_live,) = np.asarray(table.state_slots(["a"])), np.asarray(table.state_slots(["b"]))
+    copies = table.take_pending_copies()
+    assert copies == [(2, a_live, b_live), (0, 2, table.blocks("b", 0)[-1]), (1, 2, table.blocks("b", 1)[-1])]
+    assert table.take_pending_copies() == []
+
+
+def test_a_failed_add_changes_nothing():
+    _, cache, prefix, table, _ = world(blocks=(4, 32, None), slots=3)
+    table.add("a", list(range(10)))  # full 3 blocks, 1 live slot + 1 checkpoint
+    before = [cache.num_free_blocks(group=g) for g in range(3)]
+    with pytest.raises(KvCacheExhausted):
+        table.add("b", [50] * 10)
+    assert [cache.num_free_blocks(group=g) for g in range(3)] == before
+    assert "b" not in table
+    table.check_invariants()
+
+
+def test_eviction_in_one_group_frees_that_groups_blocks_and_reports_the_group():
+    _, cache, prefix, table, events = world(blocks=(8, 32, None))
+    table.add("a", list(range(30)))
+    table.free("a")
+    assert prefix.num_cached(0) == 7
+    table.add("b", [77] * 30)  # needs 8 full blocks: the cache evicts 7 full entries
+    removed = [e for e in events if isinstance(e, GroupBlockRemoved)]
+    assert {e.group for e in removed} == {0} and len(removed) == 7
+    table.check_invariants()
+
+
+@settings(max_examples=60)
+@given(
+    window=st.integers(1, 20),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    steps=st.lists(st.integers(0, 13), min_size=1, max_size=25),
+    prompt=st.integers(0, 30),
+)
+def test_a_sliding_group_never_holds_more_than_its_window_needs(window, block_size, steps, prompt):
+    cfg = KvCacheConfig(block_size, 1, 16, 2, "bf16", layer_groups=(
+        LayerGroup("full", (0,)), LayerGroup("sliding", (1,), window=window)))
+    cache = PagedKvCache(cfg, [512, 64], HostBackend())
+    table = SequenceTable(cache)
+    table.add("s", list(range(prompt)))
+    n = prompt
+    bound = max_live_blocks(window, block_size)
+    for step in steps:
+        table.append("s", step)
+        n += step
+        held = table.blocks("s", 1)
+        first = table.first_block_position("s", 1)
+        assert len(held) <= bound
+        # exactly the blocks intersecting [n - window, n)
+        assert first == (max(0, n - window) // block_size) * block_size
+        assert first + len(held) * block_size >= n > first + (len(held) - 1) * block_size or n == 0
+    table.check_invariants()
