@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from ..core.guard import guarded
-from ..core.validate import non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int
 
 
 class DraftingSteps:
@@ -22,7 +22,14 @@ class DraftingSteps:
         the old drafts are taken back, `n_tokens` committed from the committed end, then
         `lookahead` draft positions given slots. All or nothing."""
         seq = self._get(seq_id)
-        n_tokens, token_ids = self._step_arguments(n_tokens, token_ids)
+        if (
+            type(token_ids) is list
+            and (n_tokens is None or (type(n_tokens) is int and n_tokens == len(token_ids)))
+            and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids)
+        ):  # a step's few plain ids pass without building a copy
+            n_tokens = len(token_ids)
+        else:
+            n_tokens, token_ids = self._step_arguments(n_tokens, token_ids)
         lookahead = non_negative_int(lookahead, "lookahead")
         old = seq.num_tokens - seq.lookahead  # the committed end
         self._reshape(seq, old, old + n_tokens + lookahead, n_tokens + lookahead)
@@ -50,7 +57,13 @@ class DraftingSteps:
             )
         at = old // bs - seq.dropped  # the held block of position `old`, when it is partly filled
         copy = int(bool(written and seq.maybe_shared and old % bs and cache.ref_count(seq.blocks[at]) > 1))
-        fresh = cache.alloc_blocks(max(needed - have, 0) + copy)
+        if needed == have and not copy:  # the common drafting step: within the blocks held
+            if written:
+                seq.maybe_shared = False
+            seq.num_tokens = total
+            seq.step_start = old
+            return
+        fresh = cache.alloc_blocks(max(needed - have, 0) + copy) if needed > have or copy else []
         try:
             self._init(fresh[copy:])
             if copy:
