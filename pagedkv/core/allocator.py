@@ -366,9 +366,7 @@ class BlockAllocator:
             except IndexError:
                 pass
         if done == n:
-            if ones:
-                self._free.extend(reversed(blocks[n - ones :]))
-            self._free.extend(freed)
+            self._free.extend(blocks[: n - ones - 1 : -1] + freed if ones else freed)  # one push: one order
             if sole and reclaimer is not None:
                 self._report_sole(reclaimer, sole)
             return
@@ -384,8 +382,33 @@ class BlockAllocator:
             for block, listed in (times or dict.fromkeys(blocks, 1)).items():
                 if 0 < refs[block] <= listed and reclaimer.is_cached(block):
                     raise self._cached_error(block)
-        for block in reversed(blocks):
-            self.dec_ref(block)
+        zeros: list[int] = []  # pushed in one go, as the fast paths do: tracing must not change the order
+        try:
+            for block in reversed(blocks):
+                if self._drop_ref(block):
+                    zeros.append(block)
+        finally:
+            self._free.extend(zeros)
+
+    def _drop_ref(self, block: int) -> bool:
+        """`dec_ref` of a checked index without pushing the block when it reaches 0 (True
+        then; the caller pushes it)."""
+        refs = self._refs
+        count = refs[block]
+        if count == 1:
+            if self._watched:
+                self._freeing_watched(block)
+            refs[block] = 0
+            return True
+        if count == 0:
+            self._dec_at_zero(block)
+            return False
+        refs[block] = count - 1
+        if self._tracer is not None:
+            self._tracer.record(block, "dec_ref", count - 1)
+        if count == 2 and self._reclaimer is not None:
+            self._reclaimer.on_sole_reference(block)
+        return False
 
     @staticmethod
     def _report_sole(reclaimer: BlockReclaimer, blocks: list[int]) -> None:
