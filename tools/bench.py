@@ -38,6 +38,7 @@ SECTIONS = {
     "disk": ("bench_disk", False),
     "step": ("bench_step", False),
     "model": ("bench_model", False),
+    "hybrid": ("bench_hybrid", False),
     "gpu": ("bench_gpu", True),
     "kv": ("bench_kv", True),
     "tier": ("bench_tier", True),
