@@ -4,7 +4,7 @@ and prints ratios. `python tools/bench.py` runs the CPU sections; `--gpu` the GP
 
 Sections live in their own modules beside this file (bench_host.py, bench_serving.py, bench_gpu.py,
 bench_kv.py, bench_quality.py, bench_elastic.py, bench_transfer.py, bench_tier.py, bench_disk.py,
-bench_step.py, bench_engine.py, bench_model.py, bench_drafting.py, bench_events.py); each exposes
+bench_step.py, bench_engine.py, bench_model.py, bench_drafting.py, bench_events.py, bench_hybrid.py); each exposes
 `run(args) -> None` and prints its own table.
 
 Floors: a section checks each figure that has a bound with `floors.py` (beside this file):
@@ -41,6 +41,7 @@ SECTIONS = {
     "model": ("bench_model", False),
     "drafting": ("bench_drafting", False),
     "events": ("bench_events", False),
+    "hybrid": ("bench_hybrid", False),
     "gpu": ("bench_gpu", True),
     "kv": ("bench_kv", True),
     "tier": ("bench_tier", True),

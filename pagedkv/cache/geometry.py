@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..backends.protocol import BlockRegions, DevicePtr
 from ..core.config import KvCacheConfig
 from ..core.validate import non_negative_int
+from ..groups.layout import split_budget
 from ..kv.pools import KvPools
 
 
@@ -104,8 +105,18 @@ class CacheGeometry:
         return self._config.num_layers
 
     @staticmethod
-    def compute_num_blocks(config: KvCacheConfig, available_bytes: int) -> int:
-        """How many blocks fit in `available_bytes` across every layer's K and V pools."""
+    def compute_num_blocks(config: KvCacheConfig, available_bytes: int, context: int | None = None,
+                           concurrency: int = 1):
+        """How many blocks fit in `available_bytes` across every layer's K and V pools. For a
+        config with `layer_groups`, the budget is split across the groups for `concurrency`
+        sequences of `context` tokens (required there): a list with one count per group
+        (blocks, or state slots: one live slot and one checkpoint per sequence), the
+        `num_blocks` / `num_state_slots` a hybrid `PagedKvCache` takes (see
+        `pagedkv.groups.layout.split_budget`)."""
+        if config.layer_groups:
+            if context is None:
+                raise ValueError("a config with layer_groups is sized for a context: give context= (tokens)")
+            return [row.count for row in split_budget(config, available_bytes, context, concurrency)]
         available_bytes = non_negative_int(available_bytes, "available_bytes")
         per_block = config.block_bytes_kv_all_layers()
         if per_block <= 0:

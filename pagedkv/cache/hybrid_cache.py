@@ -134,6 +134,8 @@ class HybridKvCache:
             return routed
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    compute_num_blocks = staticmethod(PagedKvCache.compute_num_blocks)
+
     # -- groups ---------------------------------------------------------------------
 
     def layout(self) -> GroupLayout:
@@ -253,6 +255,16 @@ class HybridKvCache:
 
     def _release_groups(self, gpu: GpuBackend, raise_first: bool) -> None:
         first = None
+        for group in self._groups:  # close an attached prefix cache once, while every group is live
+            alloc = group.allocator()
+            close = getattr(alloc.reclaimer(), "close", None) if not alloc.released() else None
+            if close is not None:
+                try:
+                    close()
+                except Exception as err:  # noqa: BLE001 - the pools must be freed regardless
+                    first = err
+                    _log.error("kv_prefix_cache_close_failed", error=str(err))
+                break
         for group in self._groups:
             try:
                 if isinstance(group, StateGroup):

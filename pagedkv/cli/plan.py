@@ -10,6 +10,7 @@ from fractions import Fraction
 from ..core.config import KvCacheConfig
 from ..core.dtype import KvCacheDtype
 from .args import UsageError, converted, positive_int
+from .plan_groups import parse_pattern, parse_state, run_groups
 
 _UNITS = {
     "": 1, "b": 1,
@@ -171,6 +172,15 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
         num_layers=args.layers, v_aliases_k=args.v_aliases_k, layer_dtypes=layer_dtypes, layer_dims=layer_dims,
     )
+    if args.groups is not None:
+        if args.context is None:
+            raise UsageError("--groups needs --context (tokens per sequence)")
+        dtype = parse_dtypes(args.dtype)[0] if args.dtype else KvCacheDtype.BF16
+        try:
+            run_groups(args, dict(base, dtype=dtype), memory)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return 0
     try:
         bf16 = config_for(dict(base, layer_dtypes=()), KvCacheDtype.BF16)
     except ValueError as err:
@@ -207,6 +217,13 @@ def register(subparsers) -> None:
     p.add_argument("--layer-dims", type=converted(parse_dims, "dims"),
                    help="per-layer HEADSxHEAD_DIM, comma-separated (e.g. 8x128,4x256)")
     p.add_argument("--v-aliases-k", action="store_true", help="V shares K's pool (MLA-style)")
+    p.add_argument("--groups", type=converted(parse_pattern, "layer pattern"),
+                   help="hybrid layer pattern cycled over the layers, e.g. sliding/1024:5,full:1 or state:7,full:1 "
+                        "(splits the budget across the groups; needs --context)")
+    p.add_argument("--state", type=converted(parse_state, "state tensors"),
+                   help="one state layer's tensors for state groups, e.g. 4x8192:bfloat16,128x64x128:float32")
+    p.add_argument("--context", type=positive_int, help="tokens per sequence, for --groups")
+    p.add_argument("--concurrency", type=positive_int, default=1, help="sequences at once, for --groups (default 1)")
     p.set_defaults(func=run)
 
 
