@@ -340,6 +340,21 @@ def token_slots_of(seq: Any, block_size: int, start: int, stop: int) -> np.ndarr
     return held[positions // block_size - seq.dropped] * block_size + positions % block_size
 
 
+class SequenceQueries:
+    """Membership, count and ids of a sequence table's live sequences (it sets `_seqs`, a
+    dict of id -> record in the order they were added)."""
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_ids(self) -> list[Hashable]:
+        """Live sequence ids, in the order they were added."""
+        return list(self._seqs)
+
+
 class LengthExports:
     """The length and whole-sequence slot exports of `SequenceTable` (it sets what
     `SequenceExports` names), guarded like its other calls."""

@@ -31,7 +31,7 @@ from ..core.validate import non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from ..groups.window import first_live_block, max_live_blocks
-from .exports import ExportBuffers, Exported, page_table_of
+from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .tree import adapter_id_checked
 
@@ -77,7 +77,7 @@ class _Undo:
         self.taken = []
 
 
-class HybridSequenceTable:
+class HybridSequenceTable(SequenceQueries):
     """Sequences over a hybrid cache; see the module docstring and `SequenceTable`."""
 
     def __init__(self, cache: HybridKvCache, prefix_cache: HybridPrefixCache | None = None,
@@ -400,16 +400,6 @@ class HybridSequenceTable:
         return pairs
 
     # -- queries ------------------------------------------------------------------------
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def seq_ids(self) -> list[Hashable]:
-        """Live sequence ids, in the order they were added."""
-        return list(self._seqs)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens in the sequence."""

@@ -33,7 +33,7 @@ from ..errors import KvCacheError
 from .batch import KeptBatch
 from .block_keys import block_keys
 from .drafting import DraftingSteps
-from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports
+from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports, SequenceQueries
 from .hybrid_table import HybridSequenceTable
 from .prefix_cache import PrefixCache, PrefixMatch, adapter_id_checked
 from .reuse import PrefixReuse
@@ -89,7 +89,7 @@ class _Seq:
         return other
 
 
-class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
+class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSteps):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
@@ -454,16 +454,6 @@ class SequenceTable(SequenceExports, LengthExports, DraftingSteps):
         return pairs
 
     # -- queries -----------------------------------------------------------------------
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def seq_ids(self) -> list[Hashable]:
-        """Live sequence ids, in the order they were added."""
-        return list(self._seqs)
 
     def _get(self, seq_id: Hashable) -> _Seq:
         seq = self._seqs.get(seq_id)
