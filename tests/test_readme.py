@@ -43,7 +43,7 @@ def test_the_test_command_runs_two_workers_from_the_test_extra():
     import os
 
     pyproject = (README.parent / "pyproject.toml").read_text()  # no tomllib on Python 3.10
-    assert re.search(r'^addopts = "-n 2"$', pyproject, flags=re.M)
+    assert re.search(r'^addopts = "-n 2 --dist loadgroup"$', pyproject, flags=re.M)
     assert re.search(r'^test = \[.*"pytest-xdist>=3".*\]$', pyproject, flags=re.M)
     assert "two worker processes" in README.read_text()
     if os.environ.get("PYTEST_XDIST_WORKER") is None:

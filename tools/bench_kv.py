@@ -23,8 +23,10 @@ from floors import floor
 
 SIDE_FORMATS = ("bf16", "fp8", "nvfp4", "turbo4", "turbo3", "turbo2", "turbo8")
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
-FULL = {"decode_tokens": 256, "layers": 32, "prefill_tokens": 32768, "bandwidth_bytes": 1 << 30, "reps": 10}
-QUICK = {"decode_tokens": 16, "layers": 2, "prefill_tokens": 64, "bandwidth_bytes": 1 << 20, "reps": 1}
+FULL = {"decode_tokens": 256, "layers": 32, "prefill_tokens": 32768, "bandwidth_bytes": 1 << 30, "reps": 10, "warmup": 1}
+QUICK = {"decode_tokens": 4, "layers": 1, "prefill_tokens": 16, "bandwidth_bytes": 1 << 16, "reps": 1, "warmup": 0}
+"""A smoke run's sizes: one layer, one block, no warm-up (the CPU harness runs a turbo row
+kernel at well under a thousandth of a GPU's speed)."""
 WRITE_FLOORS = {"bf16": 0.70, "fp8": 0.70}
 """Prefill write traffic as a fraction of DRAM bandwidth; the other formats need 0.40."""
 STAGED_RATIO_FLOOR = 20.0
@@ -61,7 +63,7 @@ def _bandwidth(gpu, stream, timer, sizes) -> float:
     n = sizes["bandwidth_bytes"]
     a, b = gpu.alloc(n), gpu.alloc(n)
     try:
-        ms = timer.time(lambda: gpu.copy_d2d(a, b, n, stream), sizes["reps"])
+        ms = timer.time(lambda: gpu.copy_d2d(a, b, n, stream), sizes["reps"], sizes["warmup"])
     finally:
         gpu.free(a)
         gpu.free(b)
@@ -109,11 +111,13 @@ def _bench_format(gpu, stream, timer, fmt, sizes, bandwidth) -> None:
             for layer in range(layers):
                 cache.write_tokens(layer, slots_host[:decode], host_k[:decode], host_v[:decode], gpu, stream)
 
-        decode_ms = timer.time(step, reps)
+        warmup = sizes["warmup"]
+        decode_ms = timer.time(step, reps, warmup)
         staged_ms = timer.time(staged, 1, warmup=0)
-        prefill_ms = timer.time(lambda: cache.write_tokens(0, slots, k, v, gpu, stream), reps)
+        prefill_ms = timer.time(lambda: cache.write_tokens(0, slots, k, v, gpu, stream), reps, warmup)
         out_k, out_v = (DeviceArray(o, (prefill, HEADS, HEAD_DIM), "bfloat16") for o in outs)
-        read_ms = timer.time(lambda: cache.read_tokens(0, slots, gpu, out_k=out_k, out_v=out_v, stream=stream), reps)
+        read_ms = timer.time(lambda: cache.read_tokens(0, slots, gpu, out_k=out_k, out_v=out_v, stream=stream), reps,
+                             warmup)
         n = HEADS * HEAD_DIM
         side_fmt = KvCacheDtype.parse(fmt)
         stored = 2 * side_bytes(side_fmt, prefill * n)
@@ -125,7 +129,7 @@ def _bench_format(gpu, stream, timer, fmt, sizes, bandwidth) -> None:
             for side in "KV":
                 gpu.reduce_kv_blocks(pools.regions(), pools.region_index(0, side), all_blocks, side_fmt, BLOCK, n, stream)
 
-        checksum_ms = timer.time(checksum, reps)
+        checksum_ms = timer.time(checksum, reps, warmup)
         checksum_gbps = _gbps(2 * side_bytes(side_fmt, blocks * BLOCK * n) + 2 * 4 * blocks, checksum_ms)
         ratio = staged_ms / decode_ms
         print(f"{fmt:<8} {decode_ms:10.3f} {staged_ms:10.3f} {ratio:8.1f}x {write_gbps:13.1f} "

@@ -45,7 +45,7 @@ def _env_with(stub_env: dict, tmp: Path, text: str) -> dict:
     src = tmp / "src"
     src.mkdir(parents=True)
     (src / FILENAME).write_text(text)
-    (lib,) = build_harness([src / FILENAME], tmp / "libs")
+    (lib,) = build_harness([src / FILENAME], tmp / "libs", quick=True)
     libs = [p for p in stub_env[HARNESS_ENV].split(os.pathsep) if Path(p).name != lib.name]
     assert len(libs) == len(stub_env[HARNESS_ENV].split(os.pathsep)) - 1, libs
     return with_libraries(stub_env, [*libs, lib])

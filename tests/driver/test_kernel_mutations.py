@@ -41,7 +41,7 @@ def _copies(tmp: Path, texts: dict[str, str]) -> list[Path]:
         copy = src_dir / name
         copy.write_text(text)
         copies.append(copy)
-    return build_harness(copies, tmp / "libs")
+    return build_harness(copies, tmp / "libs", quick=True)
 
 
 def _with_mutant(stub_env: dict, tmp: Path, filename: str, text: str) -> dict:

@@ -62,7 +62,7 @@ def test_planted_checksum_bug_fails_the_checksum_check(stub_env, tmp_path, kind)
     src = tmp_path / "src" / SOURCE
     src.parent.mkdir()
     src.write_text(text)
-    (mutant,) = build_harness([src], tmp_path / "libs")
+    (mutant,) = build_harness([src], tmp_path / "libs", quick=True)
     libs = [p for p in stub_env[HARNESS_ENV].split(os.pathsep) if Path(p).name != mutant.name]
     env = with_libraries(stub_env, [*libs, mutant])
     proc = run_on_stub_unchecked(env, checksum_case_body(CASE, 2, orders=("ascending",)), timeout=300)

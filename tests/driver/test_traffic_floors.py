@@ -16,6 +16,9 @@ from kernel_harness import traffic
 from kernel_harness.build import build_kernel_libraries
 from kernel_harness.stub import with_libraries
 
+# one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("traffic_floors")
+
 _ALL = ("the every-format row kernel takes 168 registers on sm_90 (its rotated-head paths), so 3 CTAs of 128 "
         "threads an SM hold {} KiB in flight, < 32 KiB")
 MISSING = {

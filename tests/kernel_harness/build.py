@@ -118,9 +118,12 @@ def _registration_unit(source: Path, names: list[tuple[str, str]]) -> str:
 
 
 def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime, defines: Iterable[str] = (),
-                         model: bool = False) -> Path:
+                         model: bool = False, quick: bool = False) -> Path:
     """lib<stem>.so for one kernel source (lib<stem>_model.so, instrumented for the
     traffic model, when `model`) in `out_dir`; `runtime()` gives the runtime object to link.
+    `quick` compiles without optimisation (-O0: a third of the compile time, the same IEEE
+    arithmetic under the flags of CXX_FLAGS), for libraries built once and run once, such
+    as the planted-bug builds of the mutation tests.
     Built once per machine: the library is kept in the shared test cache (shared_cache.py),
     keyed by the source, the harness' sources, the flags, `defines` and the compiler's
     version. HarnessBuildError when it declares no kernel or does not compile."""
@@ -133,7 +136,8 @@ def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime, defines
         raise HarnessBuildError(f"{source} declares no extern \"C\" __global__ kernel")
     unit_text = _registration_unit(source, names)
     extra = (*MODEL_FLAGS, "-Wl,-z,defs") if model else ()
-    flags = (*CXX_FLAGS, *KERNEL_FLAGS, *extra, *defines)
+    base = tuple("-O0" if f == "-O2" else f for f in CXX_FLAGS) if quick else CXX_FLAGS
+    flags = (*base, *KERNEL_FLAGS, *extra, *defines)
     key = shared_cache.digest(cxx, _compiler_version(cxx), "\0".join(flags), str(model), text, unit_text,
                               *((HERE / f).read_bytes() for f in HARNESS_FILES))
     lib = out_dir / f"lib{source.stem}_{'model' if model else 'harness'}.so"
@@ -155,13 +159,14 @@ def build_kernel_library(source: Path, out_dir: Path, cxx: str, runtime, defines
 
 
 def build_kernel_libraries(sources: Iterable[Path], out_dir: Path, defines=source_defines,
-                           model: bool = False) -> list[Path]:
+                           model: bool = False, quick: bool = False) -> list[Path]:
     """One library per source in `out_dir` (created); `defines(path)` gives each source's
-    `-D` options; `model` builds them instrumented for the traffic model (traffic.py).
+    `-D` options; `model` builds them instrumented for the traffic model (traffic.py);
+    `quick` builds them unoptimised (build_kernel_library).
     Raises HarnessBuildError, or FileNotFoundError when there is no g++."""
     cxx = compiler()
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) to build the kernel harness")
     out_dir.mkdir(parents=True, exist_ok=True)
     return [build_kernel_library(Path(s), out_dir, cxx, lambda: build_runtime(out_dir, cxx, model),
-                                 defines(Path(s)), model) for s in sources]
+                                 defines(Path(s)), model, quick) for s in sources]

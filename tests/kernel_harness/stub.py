@@ -94,11 +94,12 @@ def build_stub(out: Path) -> Path:
     return lib
 
 
-def build_harness(sources, out: Path) -> list[Path]:
-    """The kernel harness libraries of `sources` in `out` (skips when there is no g++)."""
+def build_harness(sources, out: Path, quick: bool = False) -> list[Path]:
+    """The kernel harness libraries of `sources` in `out` (skips when there is no g++);
+    `quick` builds them unoptimised (kernel_harness.build.build_kernel_library)."""
     if harness_build.compiler() is None:
         pytest.skip("no C++ compiler on this machine to build the kernel harness")
-    return harness_build.build_kernel_libraries(sources, out)
+    return harness_build.build_kernel_libraries(sources, out, quick=quick)
 
 
 def with_libraries(env: dict, libs) -> dict:

@@ -29,6 +29,9 @@ from pagedkv.tiers.transfer import (
     load_nixl,
 )
 
+# one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("transfer")
+
 try:
     load_nixl()
     NIXL_REASON = None

@@ -23,7 +23,8 @@ try:
 except NixlUnavailable as err:
     NIXL_REASON = f"NIXL is not installed: {err}"
 
-pytestmark = pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or "")
+# one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
+pytestmark = [pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or ""), pytest.mark.xdist_group("transfer_pull")]
 
 WAIT = 20.0
 BASE = dict(block_size=4, head_dim=32, num_layers=2, dtype="turbo4", layout="HND")

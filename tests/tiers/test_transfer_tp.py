@@ -19,7 +19,8 @@ try:
 except NixlUnavailable as err:
     NIXL_REASON = f"NIXL is not installed: {err}"
 
-pytestmark = pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or "")
+# one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
+pytestmark = [pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or ""), pytest.mark.xdist_group("transfer_tp")]
 
 GLOBAL_HEADS = 8
 BASE = dict(block_size=4, head_dim=32, num_layers=2, dtype="turbo4k_turbo8v",
