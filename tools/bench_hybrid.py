@@ -136,7 +136,9 @@ def hit_rates(quick: bool) -> None:
         active: list[int] = []
         for i, (_, prompt, reply) in enumerate(requests):
             hits += table.add(i, prompt)
+            table.cache_prefix(i)  # the engine, once the prefill step's KV and checkpoints are written
             table.append(i, token_ids=reply)
+            table.cache_prefix(i)  # and at the turn's end
             active.append(i)
             if len(active) >= live:
                 table.free(active.pop(0))

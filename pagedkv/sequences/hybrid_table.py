@@ -48,7 +48,7 @@ class _Held:
 
 class _HSeq:
     __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
-                 "checkpoints", "step_checkpoint")
+                 "checkpoints", "step_checkpoints")
 
     def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
@@ -56,7 +56,7 @@ class _HSeq:
         self.held: dict[int, _Held] = {}
         self.slots: dict[int, int] = {}  # state group -> live slot
         self.checkpoints: dict[int, list[tuple[int, int]]] = {}  # state group -> [(position, slot)]
-        self.step_checkpoint: dict[int, int] = {}  # state group -> slot of the latest step, or -1
+        self.step_checkpoints: dict[int, int] = {}  # state group -> how many of `checkpoints` the latest step added
 
 
 class _Undo:
@@ -116,15 +116,16 @@ class HybridSequenceTable(SequenceQueries):
         first = first_live_block(n, window, bs) if window is not None else 0
         return first, -(-n // bs)
 
-    def _checkpoint_at(self, g: int, old: int, total: int, prompt: bool) -> int:
-        """The latest checkpoint position of state group g in (old, total], or 0."""
-        best = 0
-        if prompt:
-            best = (total // self._unit) * self._unit
+    def _checkpoints_in(self, g: int, old: int, total: int, prompt: bool) -> list[int]:
+        """Every checkpoint position of state group g in (old, total], ascending: each
+        multiple of `checkpoint_every`, and (`prompt`) the end of the last whole match unit."""
         every = self._every[g]
-        if every:
-            best = max(best, (total // every) * every)
-        return best if best > old else 0
+        out = list(range((old // every + 1) * every, total + 1, every)) if every else []
+        if prompt:
+            end = (total // self._unit) * self._unit
+            if end > old and end not in out:
+                out.append(end)
+        return out
 
     def _init_blocks(self, g: int, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -186,13 +187,10 @@ class HybridSequenceTable(SequenceQueries):
                 if ckpt is None:
                     self._zero_slots(g, [live])
                 seq.slots[g] = live
-                seq.checkpoints[g] = []
-                seq.step_checkpoint[g] = -1
-                at = self._checkpoint_at(g, p, n, prompt=True) if prefix is not None else 0
-                if at:
-                    (slot,) = undo.alloc(g, 1)
-                    seq.checkpoints[g].append((at, slot))
-                    seq.step_checkpoint[g] = slot
+                positions = self._checkpoints_in(g, p, n, prompt=True) if prefix is not None else []
+                slots = undo.alloc(g, len(positions)) if positions else []
+                seq.checkpoints[g] = list(zip(positions, slots))
+                seq.step_checkpoints[g] = len(slots)
             for g in self._states:  # last: nothing after this can fail
                 ckpt = found.checkpoints[g] if found is not None else None
                 if ckpt is not None:
@@ -250,10 +248,9 @@ class HybridSequenceTable(SequenceQueries):
             new_ckpts = []
             if self._prefix is not None:
                 for g in self._states:
-                    at = self._checkpoint_at(g, old, total, prompt=False)
-                    if at:
-                        (slot,) = undo.alloc(g, 1)
-                        new_ckpts.append((g, at, slot))
+                    positions = self._checkpoints_in(g, old, total, prompt=False)
+                    if positions:
+                        new_ckpts.append((g, list(zip(positions, undo.alloc(g, len(positions))))))
             for g, first, start, fresh, copy in plans:
                 if copy:
                     self._copy(g, seq.held[g].blocks[-1], fresh[0])
@@ -267,10 +264,10 @@ class HybridSequenceTable(SequenceQueries):
         for g, first, start, fresh, copy in plans:
             self._commit(seq, g, old, total, first, start, fresh, copy, n_tokens)
         for g in self._states:
-            seq.step_checkpoint[g] = -1
-        for g, at, slot in new_ckpts:
-            seq.checkpoints[g].append((at, slot))
-            seq.step_checkpoint[g] = slot
+            seq.step_checkpoints[g] = 0
+        for g, pairs in new_ckpts:
+            seq.checkpoints[g].extend(pairs)
+            seq.step_checkpoints[g] = len(pairs)
         seq.num_tokens, seq.step_start = total, old
 
     def _commit(self, seq: _HSeq, g: int, old: int, total: int, first: int, start: int, fresh: list[int],
@@ -319,7 +316,7 @@ class HybridSequenceTable(SequenceQueries):
         try:
             for g in self._states:
                 (slot,) = undo.alloc(g, 1)
-                child.slots[g], child.checkpoints[g], child.step_checkpoint[g] = slot, [], -1
+                child.slots[g], child.checkpoints[g], child.step_checkpoints[g] = slot, [], 0
             for g in self._states:
                 self._copy(g, parent.slots[g], child.slots[g])
         except BaseException:
@@ -353,7 +350,7 @@ class HybridSequenceTable(SequenceQueries):
     def _drop_checkpoints(self, seq: _HSeq) -> None:
         for g in self._states:
             slots = [slot for _, slot in seq.checkpoints[g]]
-            seq.checkpoints[g] = []
+            seq.checkpoints[g], seq.step_checkpoints[g] = [], 0
             if slots:
                 self._cache.group(g).free_blocks(slots)
 
@@ -487,21 +484,35 @@ class HybridSequenceTable(SequenceQueries):
         slots = np.array([s.slots[g] for s in self._seq_list(seq_ids)], dtype=np.int32)
         return Exported(slots, self._upload(f"state_slots:{g}", [slots]))
 
+    def _step_pairs(self, seq: _HSeq, g: int) -> list[tuple[int, int]]:
+        n = seq.step_checkpoints[g]
+        return seq.checkpoints[g][len(seq.checkpoints[g]) - n:] if n else []
+
     @guarded
     def checkpoint_slots(self, seq_ids: Iterable[Hashable], group: int | None = None) -> Exported:
-        """int32, one per sequence: the checkpoint slot its latest `add`/`append` was given in
-        state group `group` (-1 where that step reached no checkpoint position). The engine
-        writes the state as of that position there (or `cache.copy_state` from the live slot)."""
+        """int32, one per sequence: the deepest checkpoint slot its latest `add`/`append` was
+        given in state group `group` (-1 where that step reached no checkpoint position). The
+        engine writes the state as of that position there (or `cache.copy_state` from the live
+        slot). A step that reached several positions (a long prompt) lists them all in
+        `step_checkpoints`."""
         g = self._state(group)
-        slots = np.array([s.step_checkpoint[g] for s in self._seq_list(seq_ids)], dtype=np.int32)
+        slots = np.array([(self._step_pairs(s, g) or [(0, -1)])[-1][1] for s in self._seq_list(seq_ids)],
+                         dtype=np.int32)
         return Exported(slots, self._upload(f"checkpoint_slots:{g}", [slots]))
 
     def checkpoint_position(self, seq_id: Hashable, group: int | None = None) -> int:
-        """The token position of the latest step's checkpoint in state group `group` (-1: none)."""
+        """The token position of the latest step's deepest checkpoint in state group `group` (-1: none)."""
         g = self._state(group)
-        seq = self._get(seq_id)
-        slot = seq.step_checkpoint[g]
-        return next((pos for pos, s in seq.checkpoints[g] if s == slot), -1) if slot != -1 else -1
+        return (self._step_pairs(self._get(seq_id), g) or [(-1, -1)])[-1][0]
+
+    def step_checkpoints(self, seq_id: Hashable, group: int | None = None) -> list[tuple[int, int]]:
+        """`(position, slot)` of every checkpoint the latest `add`/`append` of the sequence was
+        given in state group `group`, ascending: the positions of `(old, new]` that are
+        multiples of `checkpoint_every`, and for `add` the end of the prompt's last whole match
+        unit. The engine writes the state as of each position into its slot before the step's
+        `cache_prefix` or `free` (after which the slots belong to the prefix cache)."""
+        g = self._state(group)
+        return list(self._step_pairs(self._get(seq_id), g))
 
     @guarded
     def check_invariants(self) -> None:

@@ -79,11 +79,12 @@ class HybridMachine(RuleBasedStateMachine):
                 self.cache.write_tokens(layer, slots, k, v, self.gpu, 0)
         (live,) = np.asarray(self.table.state_slots([sid])).tolist()
         self.cache.write_state(2, live, state_of(tuple(toks)), self.gpu)
+        pairs = self.table.step_checkpoints(sid)
         (ckpt,) = np.asarray(self.table.checkpoint_slots([sid])).tolist()
-        if ckpt != -1:
-            pos = self.table.checkpoint_position(sid)
+        assert ckpt == (pairs[-1][1] if pairs else -1)
+        for pos, slot in pairs:
             assert pos % EVERY == 0 or pos == (len(toks) // BS) * BS
-            self.cache.write_state(2, ckpt, state_of(tuple(toks[:pos])), self.gpu)
+            self.cache.write_state(2, slot, state_of(tuple(toks[:pos])), self.gpu)
 
     @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 12), extra=st.lists(st.integers(1, 3), max_size=3))
     def add(self, base, cut, extra):

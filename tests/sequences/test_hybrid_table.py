@@ -48,8 +48,9 @@ def test_add_holds_every_full_block_and_only_the_window_of_a_sliding_group():
     assert table.blocks("a", 1) == [0, 1, 2]  # blocks 3, 4, 5 of 21 tokens under an 8-token window
     assert table.first_block_position("a", 1) == 12
     assert cache.num_free_blocks(group=1) == 29
-    # the prompt's last whole unit ends at 20: the add step is given a checkpoint slot there
-    assert np.asarray(table.checkpoint_slots(["a"])).tolist() == [1]
+    # every 8 tokens and the end of the prompt's last whole unit (20): one slot at each
+    assert table.step_checkpoints("a") == [(8, 1), (16, 2), (20, 3)]
+    assert np.asarray(table.checkpoint_slots(["a"])).tolist() == [3]  # the deepest
     assert table.checkpoint_position("a") == 20
     assert np.asarray(table.state_slots(["a"])).tolist() == [0]
     table.check_invariants()
@@ -82,8 +83,10 @@ def test_a_second_prompt_reuses_every_group_and_copies_the_checkpoint():
     cache.write_state(2, slot, [1, 2, 3, 4], gpu)  # the engine: the state as of position 20
     for i in range(10):
         table.append("a", token_ids=[200 + i])
+        if i == 2:
+            assert table.step_checkpoints("a") == [(24, 4)]  # the step to 24 reached 24
     table.free("a")
-    assert [prefix.num_cached(g) for g in range(3)] == [7, 4, 2]
+    assert [prefix.num_cached(g) for g in range(3)] == [7, 4, 4]  # checkpoints at 8, 16, 20, 24
     assert table.add("b", prompt + [7]) == 20  # full 0..20, sliding [12, 20), checkpoint at 20
     assert table.blocks("b", 0)[:5] == [0, 1, 2, 3, 4]
     live = np.asarray(table.state_slots(["b"])).tolist()[0]
@@ -159,7 +162,7 @@ def test_a_failed_add_changes_nothing():
 
 
 def test_eviction_in_one_group_frees_that_groups_blocks_and_reports_the_group():
-    _, cache, prefix, table, events = world(blocks=(8, 32, None))
+    _, cache, prefix, table, events = world(blocks=(8, 32, None), slots=16)
     table.add("a", list(range(30)))
     table.free("a")
     assert prefix.num_cached(0) == 7
