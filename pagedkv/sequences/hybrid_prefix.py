@@ -353,13 +353,14 @@ class HybridPrefixCache:
 
     def _useful(self, g: int, node: _Node) -> bool:
         """A sliding block some hit may still use: an anchor within a window after its end."""
-        reach = node.depth + self._groups[g].window // self._unit
+        u = self._unit
+        reach = node.depth * u + self._groups[g].window  # a hit at q needs the blocks of [q - window, q)
         stack = [node]
         while stack:
             n = stack.pop()
-            if self._anchor(n):
-                return True
-            if n.depth < reach:
+            if n.depth * u < reach:
+                if self._anchor(n):
+                    return True
                 stack.extend(n.children.values())
         return False
 

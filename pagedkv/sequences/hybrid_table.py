@@ -6,10 +6,19 @@ block of its tokens, a sliding group only the blocks that intersect its last `wi
 tokens (older ones are released as it grows, offered first to the prefix cache when their
 KV was written and their tokens are known), so at most `ceil(window / block_size) + 1`.
 Per state group it owns one live slot (zeroed at `add`, or copied from the matched
-checkpoint; copied on `fork`). With a prefix cache, the step (`add`/`append`) that reaches a
-checkpoint position (the end of the prompt's last whole match unit, and every
-`checkpoint_every` tokens) is given a checkpoint slot per state group (`checkpoint_slots`);
-`cache_prefix` and `free` hand them to the prefix cache with the blocks.
+checkpoint; copied on `fork`). With a prefix cache, a step (`add`/`append`) is given a
+checkpoint slot per state group at every checkpoint position it reaches: each multiple of
+`checkpoint_every`, and for `add` the end of the prompt's last whole match unit and the
+branch point (`step_checkpoints`; `checkpoint_slots` exports the deepest); `cache_prefix`
+and `free` hand them to the prefix cache with the blocks.
+
+The branch point: where an added prompt leaves a chain the prefix cache holds, further than
+it hits (`HybridMatch.shared_tokens`), as a second conversation leaves the first one's
+system prompt. The add step is given, besides a checkpoint there, the sliding blocks that
+cover the window before it (outside the window the sequence holds, so the hold bound is
+kept); the engine's prefill writes them (`slot_mapping` maps their positions) and they go to
+the prefix cache at the sequence's next `append`, `cache_prefix` or `free`, so the next prompt
+with that start hits there.
 
 All-or-nothing like `SequenceTable`: on any error every count is as it was (cached entries
 evicted to make room stay evicted). Without a backend, copies are left to the engine:
@@ -30,7 +39,7 @@ from ..core.streams import stream_handle
 from ..core.validate import non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
-from ..groups.window import first_live_block, max_live_blocks
+from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .tree import adapter_id_checked
@@ -39,11 +48,13 @@ from .tree import adapter_id_checked
 class _Held:
     """One attention group's part of a sequence (the record the export builders read)."""
 
-    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start")
+    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start", "extra_first", "extra")
 
     def __init__(self, blocks: list[int], dropped: int, num_tokens: int, step_start: int):
         self.blocks, self.dropped, self.maybe_shared = blocks, dropped, False
         self.num_tokens, self.step_start = num_tokens, step_start
+        # a sliding group's branch-point blocks: written by the add step, cached after it
+        self.extra_first, self.extra = 0, []
 
 
 class _HSeq:
@@ -156,8 +167,9 @@ class HybridSequenceTable(SequenceQueries):
         """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
         match: whole match units, never the last prompt token). Each attention group reuses
         its matched blocks (a sliding group only those its window still needs), each state
-        group copies the matched checkpoint into the new live slot (zeroed without a hit).
-        KvCacheExhausted (nothing changed) when a group runs out."""
+        group copies the matched checkpoint into the new live slot (zeroed without a hit) and
+        is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
+        docstring). KvCacheExhausted (nothing changed) when a group runs out."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
@@ -168,6 +180,7 @@ class HybridSequenceTable(SequenceQueries):
         if prefix is not None and n > 1:
             found = prefix.match(tokens, adapter_id, limit=n - 1)
         p = found.num_tokens if found is not None else 0
+        branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
         undo = _Undo(self._cache)
         seq = _HSeq(n, tokens, adapter_id, p)
         dropping: list[tuple[int, list[int]]] = []
@@ -180,7 +193,13 @@ class HybridSequenceTable(SequenceQueries):
                 dropping.append((g, [b for i, b in enumerate(matched, start) if i < first]))
                 fresh = undo.alloc(g, end - max(p // self._bs[g], first))
                 self._init_blocks(g, fresh)
-                seq.held[g] = _Held(keep + fresh, first if end else 0, n, p)
+                held = seq.held[g] = _Held(keep + fresh, first if end else 0, n, p)
+                if branch and self._window[g] is not None:
+                    span = window_blocks_for_match(branch, self._window[g], self._bs[g])
+                    lo, hi = max(span.start, p // self._bs[g]), min(span.stop, first)
+                    if hi > lo:
+                        held.extra_first, held.extra = lo, undo.alloc(g, hi - lo)
+                        self._init_blocks(g, held.extra)
             for g in self._states:
                 (live,) = undo.alloc(g, 1)
                 ckpt = found.checkpoints[g] if found is not None else None
@@ -188,6 +207,8 @@ class HybridSequenceTable(SequenceQueries):
                     self._zero_slots(g, [live])
                 seq.slots[g] = live
                 positions = self._checkpoints_in(g, p, n, prompt=True) if prefix is not None else []
+                if branch and branch not in positions:
+                    positions = sorted(positions + [branch])
                 slots = undo.alloc(g, len(positions)) if positions else []
                 seq.checkpoints[g] = list(zip(positions, slots))
                 seq.step_checkpoints[g] = len(slots)
@@ -218,8 +239,8 @@ class HybridSequenceTable(SequenceQueries):
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default len(token_ids), else 1) in every group:
         new blocks at block boundaries, a shared partly filled last block copied first, a
-        sliding group's blocks wholly out of its window released; a checkpoint slot when the
-        step reaches a `checkpoint_every` position. KvCacheExhausted, nothing changed, when a
+        sliding group's blocks wholly out of its window released (and the add step's
+        branch-point blocks); a checkpoint slot at each `checkpoint_every` position reached. KvCacheExhausted, nothing changed, when a
         group runs out."""
         seq = self._get(seq_id)
         if token_ids is not None:
@@ -262,6 +283,7 @@ class HybridSequenceTable(SequenceQueries):
         elif seq.tokens_known and n_tokens:
             seq.tokens += token_ids
         for g, first, start, fresh, copy in plans:
+            self._release_extra(seq, g, old)
             self._commit(seq, g, old, total, first, start, fresh, copy, n_tokens)
         for g in self._states:
             seq.step_checkpoints[g] = 0
@@ -291,6 +313,14 @@ class HybridSequenceTable(SequenceQueries):
         held.blocks = kept
         held.dropped = first if kept else (start if fresh else old_first + out)
         held.num_tokens, held.step_start = total, old
+
+    def _release_extra(self, seq: _HSeq, g: int, written: int) -> None:
+        """Offer (what of it is written) and free a sliding group's branch-point blocks."""
+        held = seq.held[g]
+        if held.extra:
+            extra, held.extra = held.extra, []
+            self._offer_released(seq, g, held.extra_first, extra, written)
+            self._cache.group(g).free_blocks(extra)
 
     def _offer_released(self, seq: _HSeq, g: int, first: int, blocks: list[int], written: int) -> None:
         """Offer a sliding group's released blocks whose KV was written (end <= `written`)
@@ -338,7 +368,8 @@ class HybridSequenceTable(SequenceQueries):
         entries = {}
         for g in self._attn:
             held, bs = seq.held[g], self._bs[g]
-            pairs = [((i + 1) * bs, b) for i, b in enumerate(held.blocks, held.dropped) if (i + 1) * bs <= limit]
+            pairs = [((i + 1) * bs, b) for i, b in enumerate(held.extra, held.extra_first) if (i + 1) * bs <= limit]
+            pairs += [((i + 1) * bs, b) for i, b in enumerate(held.blocks, held.dropped) if (i + 1) * bs <= limit]
             if pairs:
                 entries[g] = pairs
         for g in self._states:
@@ -366,6 +397,7 @@ class HybridSequenceTable(SequenceQueries):
         finally:
             self._drop_checkpoints(seq)
             for g in self._attn:
+                self._release_extra(seq, g, 0)
                 self._cache.group(g).free_blocks(seq.held[g].blocks)
             for g in self._states:
                 self._cache.group(g).free_blocks([seq.slots[g]])
@@ -383,6 +415,8 @@ class HybridSequenceTable(SequenceQueries):
             return self._offer(seq)
         finally:
             self._drop_checkpoints(seq)
+            for g in self._attn:
+                self._release_extra(seq, g, 0)
 
     @guarded
     def take_pending_copies(self) -> list[tuple[int, int, int]]:
@@ -467,8 +501,9 @@ class HybridSequenceTable(SequenceQueries):
         for seq in self._seq_list(seq_ids):
             h = seq.held[g]
             for pos in range(h.step_start, h.num_tokens):
-                i = pos // bs - h.dropped
-                out.append(h.blocks[i] * bs + pos % bs if 0 <= i < len(h.blocks) else -1)
+                i, j = pos // bs - h.dropped, pos // bs - h.extra_first
+                out.append(h.blocks[i] * bs + pos % bs if 0 <= i < len(h.blocks)
+                           else h.extra[j] * bs + pos % bs if 0 <= j < len(h.extra) else -1)
         slots = np.array(out, dtype=np.int64)
         if pad_to is not None:
             pad_to = non_negative_int(pad_to, "pad_to")
@@ -533,7 +568,7 @@ class HybridSequenceTable(SequenceQueries):
                                            f"{h.dropped + len(h.blocks)} for span {first}..{end}")
                     if self._window[g] is not None and len(h.blocks) > max_live_blocks(self._window[g], self._bs[g]):
                         raise KvCacheError(f"sequence {seq_id!r} holds {len(h.blocks)} blocks of sliding group {g}")
-                    for b in h.blocks:
+                    for b in h.blocks + h.extra:
                         count(b)
                 else:
                     count(seq.slots[g])

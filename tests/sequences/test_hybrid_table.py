@@ -197,3 +197,53 @@ def test_a_sliding_group_never_holds_more_than_its_window_needs(window, block_si
         assert first == (max(0, n - window) // block_size) * block_size
         assert first + len(held) * block_size >= n > first + (len(held) - 1) * block_size or n == 0
     table.check_invariants()
+
+
+def test_a_prompt_leaving_a_cached_chain_is_given_the_window_and_a_checkpoint_at_the_branch_point():
+    gpu, cache, prefix, table, _ = world(every=None)
+    a = list(range(100, 120))
+    table.add("a", a)  # sliding holds [12, 20); checkpoint at 20 only
+    table.free("a")
+    b = a[:12] + list(range(300, 310))  # follows a's chain to 12, then leaves it
+    assert table.add("b", b) == 0  # no checkpoint at 12 yet
+    # the add step is given a checkpoint at the branch point 12 and at the prompt's end 20
+    assert [pos for pos, _ in table.step_checkpoints("b")] == [12, 20]
+    # and, beyond its window ([12, 22): 3 blocks), the sliding blocks covering [4, 12) for this step
+    assert len(table.blocks("b", 1)) == 3 and table.first_block_position("b", 1) == 12
+    held, free_before = table.blocks("b", 1), cache.num_free_blocks(group=1)
+    mapping = np.asarray(table.slot_mapping(["b"], group=1)).tolist()
+    assert mapping[:4] == [-1] * 4 and -1 not in mapping[4:]
+    assert mapping[12:] == [held[(p - 12) // 4] * 4 + p % 4 for p in range(12, 22)]
+    extra = sorted({s // 4 for s in mapping[4:12]})
+    assert len(extra) == 2 and not set(extra) & set(held)
+    table.check_invariants()
+    table.cache_prefix("b")  # the step is written: the branch-point blocks go to the cache
+    assert all(prefix.is_cached(1, x) for x in extra)
+    assert cache.num_free_blocks(group=1) == free_before  # the cache keeps them, the sequence let go
+    table.check_invariants()
+    c = a[:12] + [7, 7, 7, 7, 7]
+    assert table.add("c", c) == 12  # a third conversation with the same start hits the branch point
+    table.check_invariants()
+
+
+def test_sliding_blocks_no_hit_can_use_are_evicted_before_older_useful_ones():
+    cfg = KvCacheConfig(2, 1, 16, 2, "bf16", layer_groups=(
+        LayerGroup("full", (0,)), LayerGroup("sliding", (1,), window=4)))
+    cache = PagedKvCache(cfg, [64, 64], HostBackend())
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix)
+    chains = (list(range(1, 13)), list(range(100, 116)))  # a's blocks are all older than b's
+    for sid, chain in zip("ab", chains):
+        table.add(sid, chain[:2])
+        for t in chain[2:]:
+            table.append(sid, token_ids=[t])
+        table.free(sid)
+    ends = sorted(len(t) for _, t, g, _ in prefix.entries() if g == 1)
+    assert ends == [2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 16]
+    assert prefix.evict(1, 10) == 10
+    # what is left: the blocks covering each chain's last window (a hit at its end needs them)
+    left = sorted((t[0], len(t)) for _, t, g, _ in prefix.entries() if g == 1)
+    assert left == [(1, 10), (1, 12), (100, 14), (100, 16)]
+    assert table.add("a2", chains[0] + [9]) == 12
+    assert table.add("b2", chains[1] + [9]) == 16
+    table.check_invariants()
