@@ -36,7 +36,7 @@ from ..backends.protocol import GpuBackend
 from ..cache.hybrid_cache import HybridKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
@@ -59,7 +59,7 @@ class _Held:
 
 class _HSeq:
     __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
-                 "checkpoints", "step_checkpoints")
+                 "checkpoints", "step_checkpoints", "room", "helds")
 
     def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
@@ -68,23 +68,26 @@ class _HSeq:
         self.slots: dict[int, int] = {}  # state group -> live slot
         self.checkpoints: dict[int, list[tuple[int, int]]] = {}  # state group -> [(position, slot)]
         self.step_checkpoints: dict[int, int] = {}  # state group -> how many of `checkpoints` the latest step added
+        self.room = 0  # the decode fast path may grow the sequence up to this many tokens
+        self.helds: tuple[_Held, ...] = ()  # held.values(), for the fast path
 
 
 class _Undo:
     """What a step took so far, given back on failure: (group, ids) pairs."""
 
-    def __init__(self, cache: HybridKvCache):
-        self.cache, self.taken = cache, []
+    def __init__(self, groups: list):
+        self.groups, self.taken = groups, []
 
     def alloc(self, g: int, n: int) -> list[int]:
-        ids = self.cache.group(g).alloc_blocks(n)
+        if not n:
+            return []
+        ids = self.groups[g].alloc_blocks(n)
         self.taken.append((g, ids))
         return ids
 
     def undo(self) -> None:
         for g, ids in reversed(self.taken):
-            if ids:
-                self.cache.group(g).free_blocks(ids)
+            self.groups[g].free_blocks(ids)
         self.taken = []
 
 
@@ -103,6 +106,7 @@ class HybridSequenceTable(SequenceQueries):
         stream_handle(stream)
         layout = cache.layout()
         self._cache, self._layout, self._prefix = cache, layout, prefix_cache
+        self._groups = [cache.group(g) for g in range(layout.num_groups())]
         self._gpu, self._stream = gpu, stream
         self._attn, self._states = layout.attention_groups(), layout.state_groups()
         self._bs = {g: layout.block_size(g) for g in self._attn}
@@ -181,7 +185,7 @@ class HybridSequenceTable(SequenceQueries):
             found = prefix.match(tokens, adapter_id, limit=n - 1)
         p = found.num_tokens if found is not None else 0
         branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
-        undo = _Undo(self._cache)
+        undo = _Undo(self._groups)
         seq = _HSeq(n, tokens, adapter_id, p)
         dropping: list[tuple[int, list[int]]] = []
         try:
@@ -235,15 +239,71 @@ class HybridSequenceTable(SequenceQueries):
         self._seqs[seq_id] = seq
         return p
 
-    @guarded
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default len(token_ids), else 1) in every group:
         new blocks at block boundaries, a shared partly filled last block copied first, a
         sliding group's blocks wholly out of its window released (and the add step's
-        branch-point blocks); a checkpoint slot at each `checkpoint_every` position reached. KvCacheExhausted, nothing changed, when a
-        group runs out."""
+        branch-point blocks); a checkpoint slot at each `checkpoint_every` position reached.
+        KvCacheExhausted, nothing changed, when a group runs out.
+
+        A decode step's one token id (`token_ids=[t]`) that needs none of that (no block
+        boundary, release, copy or checkpoint in any group: `_room`) only counts the token."""
+        seq = self._seqs.get(seq_id)
+        if (seq is not None and type(token_ids) is list and len(token_ids) == 1 and seq.num_tokens < seq.room
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
+            token_id = token_ids[0]
+            if type(token_id) is int and 0 <= token_id <= MAX_TOKEN_ID:
+                token = self._guard.token
+                try:
+                    token.pop()  # the guard, claimed inline (free and not re-entered)
+                except IndexError:
+                    pass  # re-entered or another thread inside: the guarded path says which
+                else:
+                    try:
+                        old = seq.num_tokens
+                        seq.num_tokens = total = old + 1
+                        seq.step_start = old
+                        for held in seq.helds:
+                            held.num_tokens, held.step_start = total, old
+                        if seq.tokens_known:
+                            seq.tokens.append(token_id)
+                    finally:
+                        token.append(True)
+                    return
+        self._append(seq_id, n_tokens, token_ids)
+
+    def _room(self, seq: _HSeq) -> int:
+        """The most tokens the sequence can reach one token at a time with nothing but counts
+        changing: no attention group at a block boundary, releasing out of its window, holding
+        a possibly shared last block or branch-point blocks; no checkpoint position (and none
+        from the latest step outstanding). 0 when the next append needs the full path."""
+        if any(seq.step_checkpoints.values()):
+            return 0
+        room = MAX_TOKEN_ID
+        for g in self._attn:
+            held, bs = seq.held[g], self._bs[g]
+            if held.maybe_shared or held.extra or not held.blocks:
+                return 0
+            cap = (held.dropped + len(held.blocks)) * bs
+            window = self._window[g]
+            if window is not None:
+                cap = min(cap, (held.dropped + 1) * bs + window - 1)
+            room = min(room, cap)
+        if self._prefix is not None:
+            for g in self._states:
+                every = self._every[g]
+                if every:
+                    room = min(room, (seq.num_tokens // every + 1) * every - 1)
+        return room
+
+    @guarded
+    def _append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+        """`append`, every case."""
         seq = self._get(seq_id)
-        if token_ids is not None:
+        if (type(token_ids) is list and len(token_ids) == 1 and type(token_ids[0]) is int
+                and 0 <= token_ids[0] <= MAX_TOKEN_ID and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
+            n_tokens = 1  # a decode step's one valid id: no copy to validate
+        elif token_ids is not None:
             token_ids = valid_token_ids(token_ids, "token_ids")
             if n_tokens is None:
                 n_tokens = len(token_ids)
@@ -252,7 +312,7 @@ class HybridSequenceTable(SequenceQueries):
         n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
         old = seq.num_tokens
         total = old + n_tokens
-        undo = _Undo(self._cache)
+        undo = _Undo(self._groups)
         plans = []
         try:
             for g in self._attn:
@@ -261,7 +321,7 @@ class HybridSequenceTable(SequenceQueries):
                 have = held.dropped + len(held.blocks)
                 last = have - 1
                 copy = int(bool(n_tokens and held.maybe_shared and old % bs and last >= first
-                                and self._cache.group(g).ref_count(held.blocks[-1]) > 1))
+                                and self._groups[g].ref_count(held.blocks[-1]) > 1))
                 start = max(have, first)
                 fresh = undo.alloc(g, max(end - start, 0) + copy)
                 self._init_blocks(g, fresh[copy:])
@@ -291,10 +351,12 @@ class HybridSequenceTable(SequenceQueries):
             seq.checkpoints[g].extend(pairs)
             seq.step_checkpoints[g] = len(pairs)
         seq.num_tokens, seq.step_start = total, old
+        seq.helds = tuple(seq.held.values())
+        seq.room = self._room(seq)
 
     def _commit(self, seq: _HSeq, g: int, old: int, total: int, first: int, start: int, fresh: list[int],
                 copy: int, n_tokens: int) -> None:
-        held, bs, group = seq.held[g], self._bs[g], self._cache.group(g)
+        held, bs, group = seq.held[g], self._bs[g], self._groups[g]
         if copy:
             shared, held.blocks[-1] = held.blocks[-1], fresh[0]
             group.dec_ref(shared)
@@ -340,7 +402,7 @@ class HybridSequenceTable(SequenceQueries):
         parent = self._get(src)
         if dst in self._seqs:
             raise ValueError(f"sequence {dst!r} already exists")
-        undo = _Undo(self._cache)
+        undo = _Undo(self._groups)
         child = _HSeq(parent.num_tokens, list(parent.tokens), parent.adapter_id, parent.num_tokens)
         child.tokens_known = parent.tokens_known
         try:
@@ -358,6 +420,7 @@ class HybridSequenceTable(SequenceQueries):
             twin = child.held[g] = _Held(list(held.blocks), held.dropped, held.num_tokens, held.num_tokens)
             if parent.num_tokens % self._bs[g]:
                 held.maybe_shared = twin.maybe_shared = True
+                parent.room = 0
         self._seqs[dst] = child
 
     def _offer(self, seq: _HSeq) -> int:

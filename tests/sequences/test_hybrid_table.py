@@ -247,3 +247,68 @@ def test_sliding_blocks_no_hit_can_use_are_evicted_before_older_useful_ones():
     assert table.add("a2", chains[0] + [9]) == 12
     assert table.add("b2", chains[1] + [9]) == 16
     table.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    window=st.integers(1, 12),
+    block_size=st.sampled_from([1, 2, 4]),
+    every=st.sampled_from([None, 4, 8]),
+    prompt=st.integers(1, 20),
+    steps=st.lists(st.tuples(st.sampled_from(["one", "one", "one", "many", "fork", "cache"]), st.integers(0, 9)),
+                   min_size=1, max_size=40),
+)
+def test_the_one_token_fast_path_leaves_exactly_what_the_full_path_leaves(window, block_size, every, prompt, steps):
+    """Two tables over twin caches, one fed `token_ids=[t]` (the decode fast path), the other
+    the same ids as a tuple (the full path): every export and count stays equal."""
+    twins = []
+    for _ in range(2):
+        backend = HostBackend()
+        cache = PagedKvCache(config(window=window, every=every, block_size=block_size), [200, 200, None],
+                             backend, num_state_slots=200)
+        twins.append((cache, SequenceTable(cache, PrefixCache(cache), backend)))
+    ids = ["s"]
+    for _, table in twins:
+        table.add("s", list(range(prompt)))
+    for i, (step, which) in enumerate(steps):
+        target = ids[which % len(ids)]
+        for k, (cache, table) in enumerate(twins):
+            if step == "fork":
+                table.fork(target, f"f{i}")
+            elif step == "cache":
+                table.cache_prefix(target)
+            elif step == "many":
+                table.append(target, token_ids=[i, i + 1])
+            else:
+                table.append(target, token_ids=[i] if k == 0 else (i,))
+        if step == "fork":
+            ids.append(f"f{i}")
+        (c0, t0), (c1, t1) = twins
+        for sid in ids:
+            for g in (0, 1):
+                assert t0.blocks(sid, g) == t1.blocks(sid, g)
+                assert t0.first_block_position(sid, g) == t1.first_block_position(sid, g)
+                assert np.asarray(t0.slot_mapping([sid], group=g)).tolist() == np.asarray(t1.slot_mapping([sid], group=g)).tolist()
+            assert t0.step_checkpoints(sid) == t1.step_checkpoints(sid)
+            assert t0.num_tokens(sid) == t1.num_tokens(sid)
+        assert [c0.num_free_blocks(group=g) for g in range(3)] == [c1.num_free_blocks(group=g) for g in range(3)]
+    for _, table in twins:
+        table.check_invariants()
+        for sid in ids:
+            table.free(sid)
+    assert twins[0][1]._prefix.entries() == twins[1][1]._prefix.entries()
+
+
+def test_the_fast_path_refuses_what_the_full_path_refuses():
+    _, cache, _, table, _ = world()
+    table.add("a", list(range(5)))
+    table.append("a", token_ids=[1])  # now within a block: the next one-token step is a fast one
+    for bad in ([True], [-1], [2**63]):
+        with pytest.raises((TypeError, ValueError)):
+            table.append("a", token_ids=bad)
+        assert table.num_tokens("a") == 6
+    with pytest.raises(KeyError):
+        table.append("nobody", token_ids=[1])
+    table.append("a", token_ids=[3])
+    assert np.asarray(table.slot_mapping(["a"], group=0)).tolist() == [table.blocks("a", 0)[1] * 4 + 2]
+    table.check_invariants()
