@@ -20,6 +20,13 @@ kept); the engine's prefill writes them (`slot_mapping` maps their positions) an
 the prefix cache at the sequence's next `append`, `cache_prefix` or `free`, so the next prompt
 with that start hits there.
 
+A step attends to the window before each of its positions, so a step of several tokens (a
+prefill, a chunk) reads blocks the window after it no longer needs: an `add` keeps the
+matched sliding blocks before its hit, an `append` of several tokens the released blocks
+from `old + 1 - window`, until the sequence's next step (`step_blocks` lists every block a
+step may read or write; `blocks` and `block_table` only those the window holds). A decode
+step of one token reads exactly its window, so the bound holds between steps.
+
 All-or-nothing like `SequenceTable`: on any error every count is as it was (cached entries
 evicted to make room stay evicted). Without a backend, copies are left to the engine:
 `take_pending_copies()` returns `(group, src, dst)` triples (blocks of an attention group,
@@ -48,13 +55,14 @@ from .tree import adapter_id_checked
 class _Held:
     """One attention group's part of a sequence (the record the export builders read)."""
 
-    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start", "extra_first", "extra")
+    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start", "extra")
 
     def __init__(self, blocks: list[int], dropped: int, num_tokens: int, step_start: int):
         self.blocks, self.dropped, self.maybe_shared = blocks, dropped, False
         self.num_tokens, self.step_start = num_tokens, step_start
-        # a sliding group's branch-point blocks: written by the add step, cached after it
-        self.extra_first, self.extra = 0, []
+        # a sliding group's blocks outside `blocks` the add step reads or writes (block index ->
+        # id): the matched window before the hit, the branch-point window; given up after it
+        self.extra: dict[int, int] = {}
 
 
 class _HSeq:
@@ -187,23 +195,24 @@ class HybridSequenceTable(SequenceQueries):
         branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
         undo = _Undo(self._groups)
         seq = _HSeq(n, tokens, adapter_id, p)
-        dropping: list[tuple[int, list[int]]] = []
         try:
             for g in self._attn:
                 first, end = self._span(g, n)
                 matched = found.group_blocks[g] if found is not None else []
                 start = found.first_block[g] if found is not None else 0
                 keep = [b for i, b in enumerate(matched, start) if i >= first]
-                dropping.append((g, [b for i, b in enumerate(matched, start) if i < first]))
                 fresh = undo.alloc(g, end - max(p // self._bs[g], first))
                 self._init_blocks(g, fresh)
                 held = seq.held[g] = _Held(keep + fresh, first if end else 0, n, p)
+                # matched blocks the window no longer holds: the prefill still reads them
+                held.extra = {i: b for i, b in enumerate(matched, start) if i < first}
                 if branch and self._window[g] is not None:
                     span = window_blocks_for_match(branch, self._window[g], self._bs[g])
                     lo, hi = max(span.start, p // self._bs[g]), min(span.stop, first)
                     if hi > lo:
-                        held.extra_first, held.extra = lo, undo.alloc(g, hi - lo)
-                        self._init_blocks(g, held.extra)
+                        ids = undo.alloc(g, hi - lo)
+                        self._init_blocks(g, ids)
+                        held.extra.update(zip(range(lo, hi), ids))
             for g in self._states:
                 (live,) = undo.alloc(g, 1)
                 ckpt = found.checkpoints[g] if found is not None else None
@@ -226,9 +235,6 @@ class HybridSequenceTable(SequenceQueries):
                 prefix.release(found)
             raise
         if found is not None:
-            for g, blocks in dropping:
-                if blocks:
-                    self._cache.group(g).free_blocks(blocks)
             for g in self._states:
                 ckpt = found.checkpoints[g]
                 if ckpt is not None:
@@ -371,7 +377,10 @@ class HybridSequenceTable(SequenceQueries):
         released, kept = blocks[:out], blocks[out:]
         if released:
             self._offer_released(seq, g, old_first, released, old)
-            group.free_blocks(released)
+            # a step of several tokens attends from `old + 1 - window`: what it reads stays for the step
+            reads_from = max(0, old + 1 - self._window[g]) // bs
+            held.extra.update((i, b) for i, b in enumerate(released, old_first) if i >= reads_from)
+            group.free_blocks([b for i, b in enumerate(released, old_first) if i < reads_from])
         held.blocks = kept
         held.dropped = first if kept else (start if fresh else old_first + out)
         held.num_tokens, held.step_start = total, old
@@ -380,9 +389,14 @@ class HybridSequenceTable(SequenceQueries):
         """Offer (what of it is written) and free a sliding group's branch-point blocks."""
         held = seq.held[g]
         if held.extra:
-            extra, held.extra = held.extra, []
-            self._offer_released(seq, g, held.extra_first, extra, written)
-            self._cache.group(g).free_blocks(extra)
+            extra, held.extra = held.extra, {}
+            prefix, bs = self._prefix, self._bs[g]
+            if prefix is not None and not prefix.closed():
+                known = min(len(seq.tokens), written)
+                pairs = [((i + 1) * bs, b) for i, b in sorted(extra.items()) if (i + 1) * bs <= known]
+                if pairs:
+                    prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+            self._groups[g].free_blocks(list(extra.values()))
 
     def _offer_released(self, seq: _HSeq, g: int, first: int, blocks: list[int], written: int) -> None:
         """Offer a sliding group's released blocks whose KV was written (end <= `written`)
@@ -431,7 +445,7 @@ class HybridSequenceTable(SequenceQueries):
         entries = {}
         for g in self._attn:
             held, bs = seq.held[g], self._bs[g]
-            pairs = [((i + 1) * bs, b) for i, b in enumerate(held.extra, held.extra_first) if (i + 1) * bs <= limit]
+            pairs = [((i + 1) * bs, b) for i, b in sorted(held.extra.items()) if (i + 1) * bs <= limit]
             pairs += [((i + 1) * bs, b) for i, b in enumerate(held.blocks, held.dropped) if (i + 1) * bs <= limit]
             if pairs:
                 entries[g] = pairs
@@ -515,6 +529,17 @@ class HybridSequenceTable(SequenceQueries):
             raise ValueError(f"group {g} is not a state group")
         return g
 
+    def step_blocks(self, seq_id: Hashable, group: int = 0) -> dict[int, int]:
+        """Block index -> block id of every block of attention group `group` the sequence's
+        latest step may read or write: its held blocks and, after an `add`, the blocks outside
+        its window that step still needs (a sliding group's matched blocks covering
+        `[hit - window, hit)`, which the prefill attends to, and its branch-point blocks).
+        Those extra ones are the sequence's until its next `append`, `cache_prefix` or `free`."""
+        h = self._get(seq_id).held[self._attention(group)]
+        out = dict(h.extra)
+        out.update(enumerate(h.blocks, h.dropped))
+        return out
+
     def blocks(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """The blocks the sequence holds in attention group `group`, oldest first (a copy)."""
         return list(self._get(seq_id).held[self._attention(group)].blocks)
@@ -564,9 +589,9 @@ class HybridSequenceTable(SequenceQueries):
         for seq in self._seq_list(seq_ids):
             h = seq.held[g]
             for pos in range(h.step_start, h.num_tokens):
-                i, j = pos // bs - h.dropped, pos // bs - h.extra_first
-                out.append(h.blocks[i] * bs + pos % bs if 0 <= i < len(h.blocks)
-                           else h.extra[j] * bs + pos % bs if 0 <= j < len(h.extra) else -1)
+                i = pos // bs - h.dropped
+                b = h.blocks[i] if 0 <= i < len(h.blocks) else h.extra.get(pos // bs, -1)
+                out.append(b * bs + pos % bs if b != -1 else -1)
         slots = np.array(out, dtype=np.int64)
         if pad_to is not None:
             pad_to = non_negative_int(pad_to, "pad_to")
@@ -631,7 +656,7 @@ class HybridSequenceTable(SequenceQueries):
                                            f"{h.dropped + len(h.blocks)} for span {first}..{end}")
                     if self._window[g] is not None and len(h.blocks) > max_live_blocks(self._window[g], self._bs[g]):
                         raise KvCacheError(f"sequence {seq_id!r} holds {len(h.blocks)} blocks of sliding group {g}")
-                    for b in h.blocks + h.extra:
+                    for b in h.blocks + list(h.extra.values()):
                         count(b)
                 else:
                     count(seq.slots[g])

@@ -312,3 +312,21 @@ def test_the_fast_path_refuses_what_the_full_path_refuses():
     table.append("a", token_ids=[3])
     assert np.asarray(table.slot_mapping(["a"], group=0)).tolist() == [table.blocks("a", 0)[1] * 4 + 2]
     table.check_invariants()
+
+
+def test_a_step_of_several_tokens_keeps_the_blocks_it_attends_to_until_the_next_step():
+    _, cache, prefix, table, _ = world(every=None)
+    table.add("a", list(range(10)))  # window 8, block 4: blocks 0, 1, 2
+    held = table.blocks("a", 1)
+    table.append("a", token_ids=list(range(10, 18)))  # 18 tokens: the window starts in block 2
+    assert table.first_block_position("a", 1) == 8 and len(table.blocks("a", 1)) == 3
+    # position 10 attends to [3, 11): blocks 0 and 1 stay the sequence's for this step
+    steps = table.step_blocks("a", 1)
+    assert sorted(steps) == [0, 1, 2, 3, 4] and [steps[0], steps[1]] == held[:2]
+    assert cache.num_free_blocks(group=1) == 32 - 5
+    table.check_invariants()
+    table.append("a", token_ids=[18])  # the next step gives them up (both are cached)
+    assert sorted(table.step_blocks("a", 1)) == [2, 3, 4]
+    assert prefix.is_cached(1, held[0]) and prefix.is_cached(1, held[1])
+    assert cache.group(1).ref_count(held[0]) == 1
+    table.check_invariants()
