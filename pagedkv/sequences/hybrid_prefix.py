@@ -15,7 +15,8 @@ The cache holds one reference of its own on every entry (block or slot) and is t
 `BlockReclaimer` of every group's allocator. Eviction (per group, when that group's free
 list runs short) takes entries only the cache holds: first sliding blocks no hit can use
 (no anchor within a window after them: a checkpoint of every state group, or without state
-groups a chain end or a branch point), then least recently used, deepest first. Events (`GroupBlockStored`, `GroupBlockRemoved`) carry the group index.
+groups a chain end or a branch point), then least recently used, deepest first. Events
+(`GroupBlockStored`, `GroupBlockRemoved`) carry the group index.
 
 Not here yet: host and disk tiers (refused at construction).
 """

@@ -307,7 +307,8 @@ class HybridSequenceTable(SequenceQueries):
         """`append`, every case."""
         seq = self._get(seq_id)
         if (type(token_ids) is list and len(token_ids) == 1 and type(token_ids[0]) is int
-                and 0 <= token_ids[0] <= MAX_TOKEN_ID and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
+                and 0 <= token_ids[0] <= MAX_TOKEN_ID
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
             n_tokens = 1  # a decode step's one valid id: no copy to validate
         elif token_ids is not None:
             token_ids = valid_token_ids(token_ids, "token_ids")
