@@ -12,7 +12,9 @@ all-full-attention cache of the same layers.
   tokens reused / prompt tokens, beside the oracle (every earlier prefix kept, at the
   match unit): floor 0.9x of the oracle per pattern. Bookkeeping only (the same groups,
   windows and block sizes at 1 KV head x 16, state of 4 floats), HostBackend, a cache of a
-  fixed size so eviction runs; state groups checkpoint every 256 tokens;
+  fixed size so eviction runs; state groups checkpoint every 256 tokens. The engine modelled
+  calls `cache_prefix` once a prompt's prefill is written and again at its turn's end;
+  4 conversations decode at once, the oldest freed when a fifth arrives;
 - bookkeeping per decode step: `append` of one token to 64 sequences, the hybrid table
   against a one-group SequenceTable of the same layers (a ratio; no floor).
 """
@@ -136,7 +138,9 @@ def hit_rates(quick: bool) -> None:
         active: list[int] = []
         for i, (_, prompt, reply) in enumerate(requests):
             hits += table.add(i, prompt)
+            table.cache_prefix(i)  # the engine, once the prefill step's KV and checkpoints are written
             table.append(i, token_ids=reply)
+            table.cache_prefix(i)  # and at the turn's end
             active.append(i)
             if len(active) >= live:
                 table.free(active.pop(0))

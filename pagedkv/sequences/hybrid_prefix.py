@@ -14,8 +14,9 @@ holds the blocks covering `[p - window, p)`, and every state group a checkpoint 
 The cache holds one reference of its own on every entry (block or slot) and is the
 `BlockReclaimer` of every group's allocator. Eviction (per group, when that group's free
 list runs short) takes entries only the cache holds: first sliding blocks no hit can use
-(no checkpoint or chain end within a window after them), then least recently used, deepest
-first. Events (`GroupBlockStored`, `GroupBlockRemoved`) carry the group index.
+(no anchor within a window after them: a checkpoint of every state group, or without state
+groups a chain end or a branch point), then least recently used, deepest first. Events
+(`GroupBlockStored`, `GroupBlockRemoved`) carry the group index.
 
 Not here yet: host and disk tiers (refused at construction).
 """
@@ -64,13 +65,15 @@ class HybridMatch(NamedTuple):
     for a sliding one, first block index `first_block[g]`; [] for a state group) and
     `checkpoints[g]` (a state group's checkpoint slot at p; None for attention groups). The
     caller holds one reference on every block and slot listed (`release` drops them).
-    `blocks` is `group_blocks[0]`."""
+    `blocks` is `group_blocks[0]`. `shared_tokens`: how far (a multiple of the match unit,
+    at most `limit`) the tokens follow a chain of the cache, hit or not (>= num_tokens)."""
 
     blocks: list
     num_tokens: int
     group_blocks: tuple
     checkpoints: tuple
     first_block: tuple
+    shared_tokens: int = 0
 
 
 class _Node:
@@ -275,7 +278,8 @@ class HybridPrefixCache:
             self._take(g, blocks)
             group_blocks.append(blocks)
             first.append(span.start if p else 0)
-        return HybridMatch(group_blocks[0], p, tuple(group_blocks), tuple(checkpoints), tuple(first))
+        shared = max(p, (len(path) * self._unit // self._match_unit) * self._match_unit)
+        return HybridMatch(group_blocks[0], p, tuple(group_blocks), tuple(checkpoints), tuple(first), shared)
 
     def _take(self, g: int, entries: list[int]) -> None:
         if entries:
@@ -340,18 +344,24 @@ class HybridPrefixCache:
 
     # -- eviction -----------------------------------------------------------------------
 
+    def _anchor(self, node: _Node) -> bool:
+        """A position a hit may end at: with state groups, one with a checkpoint of each; without,
+        a chain end (a leaf) or a branch point (where chains part, as after a shared system
+        prompt); a chain another has since extended is no longer an end."""
+        if self._states:
+            return all(s in node.entries for s in self._states)
+        return len(node.children) != 1
+
     def _useful(self, g: int, node: _Node) -> bool:
-        """A sliding block some hit may still use: a checkpoint of every state group (or a
-        chain end) within a window after it. Always True without state groups."""
-        if not self._states:
-            return True
-        reach = node.depth + self._groups[g].window // self._unit
+        """A sliding block some hit may still use: an anchor within a window after its end."""
+        u = self._unit
+        reach = node.depth * u + self._groups[g].window  # a hit at q needs the blocks of [q - window, q)
         stack = [node]
         while stack:
             n = stack.pop()
-            if not n.children or all(s in n.entries for s in self._states):
-                return True
-            if n.depth < reach:
+            if n.depth * u < reach:
+                if self._anchor(n):
+                    return True
                 stack.extend(n.children.values())
         return False
 

@@ -6,10 +6,26 @@ block of its tokens, a sliding group only the blocks that intersect its last `wi
 tokens (older ones are released as it grows, offered first to the prefix cache when their
 KV was written and their tokens are known), so at most `ceil(window / block_size) + 1`.
 Per state group it owns one live slot (zeroed at `add`, or copied from the matched
-checkpoint; copied on `fork`). With a prefix cache, the step (`add`/`append`) that reaches a
-checkpoint position (the end of the prompt's last whole match unit, and every
-`checkpoint_every` tokens) is given a checkpoint slot per state group (`checkpoint_slots`);
-`cache_prefix` and `free` hand them to the prefix cache with the blocks.
+checkpoint; copied on `fork`). With a prefix cache, a step (`add`/`append`) is given a
+checkpoint slot per state group at every checkpoint position it reaches: each multiple of
+`checkpoint_every`, and for `add` the end of the prompt's last whole match unit and the
+branch point (`step_checkpoints`; `checkpoint_slots` exports the deepest); `cache_prefix`
+and `free` hand them to the prefix cache with the blocks.
+
+The branch point: where an added prompt leaves a chain the prefix cache holds, further than
+it hits (`HybridMatch.shared_tokens`), as a second conversation leaves the first one's
+system prompt. The add step is given, besides a checkpoint there, the sliding blocks that
+cover the window before it (outside the window the sequence holds, so the hold bound is
+kept); the engine's prefill writes them (`slot_mapping` maps their positions) and they go to
+the prefix cache at the sequence's next `append`, `cache_prefix` or `free`, so the next prompt
+with that start hits there.
+
+A step attends to the window before each of its positions, so a step of several tokens (a
+prefill, a chunk) reads blocks the window after it no longer needs: an `add` keeps the
+matched sliding blocks before its hit, an `append` of several tokens the released blocks
+from `old + 1 - window`, until the sequence's next step (`step_blocks` lists every block a
+step may read or write; `blocks` and `block_table` only those the window holds). A decode
+step of one token reads exactly its window, so the bound holds between steps.
 
 All-or-nothing like `SequenceTable`: on any error every count is as it was (cached entries
 evicted to make room stay evicted). Without a backend, copies are left to the engine:
@@ -27,10 +43,10 @@ from ..backends.protocol import GpuBackend
 from ..cache.hybrid_cache import HybridKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
-from ..groups.window import first_live_block, max_live_blocks
+from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .tree import adapter_id_checked
@@ -39,16 +55,19 @@ from .tree import adapter_id_checked
 class _Held:
     """One attention group's part of a sequence (the record the export builders read)."""
 
-    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start")
+    __slots__ = ("blocks", "dropped", "maybe_shared", "num_tokens", "step_start", "extra")
 
     def __init__(self, blocks: list[int], dropped: int, num_tokens: int, step_start: int):
         self.blocks, self.dropped, self.maybe_shared = blocks, dropped, False
         self.num_tokens, self.step_start = num_tokens, step_start
+        # a sliding group's blocks outside `blocks` the add step reads or writes (block index ->
+        # id): the matched window before the hit, the branch-point window; given up after it
+        self.extra: dict[int, int] = {}
 
 
 class _HSeq:
     __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
-                 "checkpoints", "step_checkpoint")
+                 "checkpoints", "step_checkpoints", "room", "helds")
 
     def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
@@ -56,24 +75,27 @@ class _HSeq:
         self.held: dict[int, _Held] = {}
         self.slots: dict[int, int] = {}  # state group -> live slot
         self.checkpoints: dict[int, list[tuple[int, int]]] = {}  # state group -> [(position, slot)]
-        self.step_checkpoint: dict[int, int] = {}  # state group -> slot of the latest step, or -1
+        self.step_checkpoints: dict[int, int] = {}  # state group -> how many of `checkpoints` the latest step added
+        self.room = 0  # the decode fast path may grow the sequence up to this many tokens
+        self.helds: tuple[_Held, ...] = ()  # held.values(), for the fast path
 
 
 class _Undo:
     """What a step took so far, given back on failure: (group, ids) pairs."""
 
-    def __init__(self, cache: HybridKvCache):
-        self.cache, self.taken = cache, []
+    def __init__(self, groups: list):
+        self.groups, self.taken = groups, []
 
     def alloc(self, g: int, n: int) -> list[int]:
-        ids = self.cache.group(g).alloc_blocks(n)
+        if not n:
+            return []
+        ids = self.groups[g].alloc_blocks(n)
         self.taken.append((g, ids))
         return ids
 
     def undo(self) -> None:
         for g, ids in reversed(self.taken):
-            if ids:
-                self.cache.group(g).free_blocks(ids)
+            self.groups[g].free_blocks(ids)
         self.taken = []
 
 
@@ -92,6 +114,7 @@ class HybridSequenceTable(SequenceQueries):
         stream_handle(stream)
         layout = cache.layout()
         self._cache, self._layout, self._prefix = cache, layout, prefix_cache
+        self._groups = [cache.group(g) for g in range(layout.num_groups())]
         self._gpu, self._stream = gpu, stream
         self._attn, self._states = layout.attention_groups(), layout.state_groups()
         self._bs = {g: layout.block_size(g) for g in self._attn}
@@ -116,15 +139,16 @@ class HybridSequenceTable(SequenceQueries):
         first = first_live_block(n, window, bs) if window is not None else 0
         return first, -(-n // bs)
 
-    def _checkpoint_at(self, g: int, old: int, total: int, prompt: bool) -> int:
-        """The latest checkpoint position of state group g in (old, total], or 0."""
-        best = 0
-        if prompt:
-            best = (total // self._unit) * self._unit
+    def _checkpoints_in(self, g: int, old: int, total: int, prompt: bool) -> list[int]:
+        """Every checkpoint position of state group g in (old, total], ascending: each
+        multiple of `checkpoint_every`, and (`prompt`) the end of the last whole match unit."""
         every = self._every[g]
-        if every:
-            best = max(best, (total // every) * every)
-        return best if best > old else 0
+        out = list(range((old // every + 1) * every, total + 1, every)) if every else []
+        if prompt:
+            end = (total // self._unit) * self._unit
+            if end > old and end not in out:
+                out.append(end)
+        return out
 
     def _init_blocks(self, g: int, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -155,8 +179,9 @@ class HybridSequenceTable(SequenceQueries):
         """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
         match: whole match units, never the last prompt token). Each attention group reuses
         its matched blocks (a sliding group only those its window still needs), each state
-        group copies the matched checkpoint into the new live slot (zeroed without a hit).
-        KvCacheExhausted (nothing changed) when a group runs out."""
+        group copies the matched checkpoint into the new live slot (zeroed without a hit) and
+        is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
+        docstring). KvCacheExhausted (nothing changed) when a group runs out."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
@@ -167,32 +192,39 @@ class HybridSequenceTable(SequenceQueries):
         if prefix is not None and n > 1:
             found = prefix.match(tokens, adapter_id, limit=n - 1)
         p = found.num_tokens if found is not None else 0
-        undo = _Undo(self._cache)
+        branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
+        undo = _Undo(self._groups)
         seq = _HSeq(n, tokens, adapter_id, p)
-        dropping: list[tuple[int, list[int]]] = []
         try:
             for g in self._attn:
                 first, end = self._span(g, n)
                 matched = found.group_blocks[g] if found is not None else []
                 start = found.first_block[g] if found is not None else 0
                 keep = [b for i, b in enumerate(matched, start) if i >= first]
-                dropping.append((g, [b for i, b in enumerate(matched, start) if i < first]))
                 fresh = undo.alloc(g, end - max(p // self._bs[g], first))
                 self._init_blocks(g, fresh)
-                seq.held[g] = _Held(keep + fresh, first if end else 0, n, p)
+                held = seq.held[g] = _Held(keep + fresh, first if end else 0, n, p)
+                # matched blocks the window no longer holds: the prefill still reads them
+                held.extra = {i: b for i, b in enumerate(matched, start) if i < first}
+                if branch and self._window[g] is not None:
+                    span = window_blocks_for_match(branch, self._window[g], self._bs[g])
+                    lo, hi = max(span.start, p // self._bs[g]), min(span.stop, first)
+                    if hi > lo:
+                        ids = undo.alloc(g, hi - lo)
+                        self._init_blocks(g, ids)
+                        held.extra.update(zip(range(lo, hi), ids))
             for g in self._states:
                 (live,) = undo.alloc(g, 1)
                 ckpt = found.checkpoints[g] if found is not None else None
                 if ckpt is None:
                     self._zero_slots(g, [live])
                 seq.slots[g] = live
-                seq.checkpoints[g] = []
-                seq.step_checkpoint[g] = -1
-                at = self._checkpoint_at(g, p, n, prompt=True) if prefix is not None else 0
-                if at:
-                    (slot,) = undo.alloc(g, 1)
-                    seq.checkpoints[g].append((at, slot))
-                    seq.step_checkpoint[g] = slot
+                positions = self._checkpoints_in(g, p, n, prompt=True) if prefix is not None else []
+                if branch and branch not in positions:
+                    positions = sorted(positions + [branch])
+                slots = undo.alloc(g, len(positions)) if positions else []
+                seq.checkpoints[g] = list(zip(positions, slots))
+                seq.step_checkpoints[g] = len(slots)
             for g in self._states:  # last: nothing after this can fail
                 ckpt = found.checkpoints[g] if found is not None else None
                 if ckpt is not None:
@@ -203,9 +235,6 @@ class HybridSequenceTable(SequenceQueries):
                 prefix.release(found)
             raise
         if found is not None:
-            for g, blocks in dropping:
-                if blocks:
-                    self._cache.group(g).free_blocks(blocks)
             for g in self._states:
                 ckpt = found.checkpoints[g]
                 if ckpt is not None:
@@ -216,15 +245,72 @@ class HybridSequenceTable(SequenceQueries):
         self._seqs[seq_id] = seq
         return p
 
-    @guarded
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         """Extend a sequence by `n_tokens` (default len(token_ids), else 1) in every group:
         new blocks at block boundaries, a shared partly filled last block copied first, a
-        sliding group's blocks wholly out of its window released; a checkpoint slot when the
-        step reaches a `checkpoint_every` position. KvCacheExhausted, nothing changed, when a
-        group runs out."""
+        sliding group's blocks wholly out of its window released (and the add step's
+        branch-point blocks); a checkpoint slot at each `checkpoint_every` position reached.
+        KvCacheExhausted, nothing changed, when a group runs out.
+
+        A decode step's one token id (`token_ids=[t]`) that needs none of that (no block
+        boundary, release, copy or checkpoint in any group: `_room`) only counts the token."""
+        seq = self._seqs.get(seq_id)
+        if (seq is not None and type(token_ids) is list and len(token_ids) == 1 and seq.num_tokens < seq.room
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
+            token_id = token_ids[0]
+            if type(token_id) is int and 0 <= token_id <= MAX_TOKEN_ID:
+                token = self._guard.token
+                try:
+                    token.pop()  # the guard, claimed inline (free and not re-entered)
+                except IndexError:
+                    pass  # re-entered or another thread inside: the guarded path says which
+                else:
+                    try:
+                        old = seq.num_tokens
+                        seq.num_tokens = total = old + 1
+                        seq.step_start = old
+                        for held in seq.helds:
+                            held.num_tokens, held.step_start = total, old
+                        if seq.tokens_known:
+                            seq.tokens.append(token_id)
+                    finally:
+                        token.append(True)
+                    return
+        self._append(seq_id, n_tokens, token_ids)
+
+    def _room(self, seq: _HSeq) -> int:
+        """The most tokens the sequence can reach one token at a time with nothing but counts
+        changing: no attention group at a block boundary, releasing out of its window, holding
+        a possibly shared last block or branch-point blocks; no checkpoint position (and none
+        from the latest step outstanding). 0 when the next append needs the full path."""
+        if any(seq.step_checkpoints.values()):
+            return 0
+        room = MAX_TOKEN_ID
+        for g in self._attn:
+            held, bs = seq.held[g], self._bs[g]
+            if held.maybe_shared or held.extra or not held.blocks:
+                return 0
+            cap = (held.dropped + len(held.blocks)) * bs
+            window = self._window[g]
+            if window is not None:
+                cap = min(cap, (held.dropped + 1) * bs + window - 1)
+            room = min(room, cap)
+        if self._prefix is not None:
+            for g in self._states:
+                every = self._every[g]
+                if every:
+                    room = min(room, (seq.num_tokens // every + 1) * every - 1)
+        return room
+
+    @guarded
+    def _append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+        """`append`, every case."""
         seq = self._get(seq_id)
-        if token_ids is not None:
+        if (type(token_ids) is list and len(token_ids) == 1 and type(token_ids[0]) is int
+                and 0 <= token_ids[0] <= MAX_TOKEN_ID
+                and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
+            n_tokens = 1  # a decode step's one valid id: no copy to validate
+        elif token_ids is not None:
             token_ids = valid_token_ids(token_ids, "token_ids")
             if n_tokens is None:
                 n_tokens = len(token_ids)
@@ -233,7 +319,7 @@ class HybridSequenceTable(SequenceQueries):
         n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
         old = seq.num_tokens
         total = old + n_tokens
-        undo = _Undo(self._cache)
+        undo = _Undo(self._groups)
         plans = []
         try:
             for g in self._attn:
@@ -242,7 +328,7 @@ class HybridSequenceTable(SequenceQueries):
                 have = held.dropped + len(held.blocks)
                 last = have - 1
                 copy = int(bool(n_tokens and held.maybe_shared and old % bs and last >= first
-                                and self._cache.group(g).ref_count(held.blocks[-1]) > 1))
+                                and self._groups[g].ref_count(held.blocks[-1]) > 1))
                 start = max(have, first)
                 fresh = undo.alloc(g, max(end - start, 0) + copy)
                 self._init_blocks(g, fresh[copy:])
@@ -250,10 +336,9 @@ class HybridSequenceTable(SequenceQueries):
             new_ckpts = []
             if self._prefix is not None:
                 for g in self._states:
-                    at = self._checkpoint_at(g, old, total, prompt=False)
-                    if at:
-                        (slot,) = undo.alloc(g, 1)
-                        new_ckpts.append((g, at, slot))
+                    positions = self._checkpoints_in(g, old, total, prompt=False)
+                    if positions:
+                        new_ckpts.append((g, list(zip(positions, undo.alloc(g, len(positions))))))
             for g, first, start, fresh, copy in plans:
                 if copy:
                     self._copy(g, seq.held[g].blocks[-1], fresh[0])
@@ -265,17 +350,20 @@ class HybridSequenceTable(SequenceQueries):
         elif seq.tokens_known and n_tokens:
             seq.tokens += token_ids
         for g, first, start, fresh, copy in plans:
+            self._release_extra(seq, g, old)
             self._commit(seq, g, old, total, first, start, fresh, copy, n_tokens)
         for g in self._states:
-            seq.step_checkpoint[g] = -1
-        for g, at, slot in new_ckpts:
-            seq.checkpoints[g].append((at, slot))
-            seq.step_checkpoint[g] = slot
+            seq.step_checkpoints[g] = 0
+        for g, pairs in new_ckpts:
+            seq.checkpoints[g].extend(pairs)
+            seq.step_checkpoints[g] = len(pairs)
         seq.num_tokens, seq.step_start = total, old
+        seq.helds = tuple(seq.held.values())
+        seq.room = self._room(seq)
 
     def _commit(self, seq: _HSeq, g: int, old: int, total: int, first: int, start: int, fresh: list[int],
                 copy: int, n_tokens: int) -> None:
-        held, bs, group = seq.held[g], self._bs[g], self._cache.group(g)
+        held, bs, group = seq.held[g], self._bs[g], self._groups[g]
         if copy:
             shared, held.blocks[-1] = held.blocks[-1], fresh[0]
             group.dec_ref(shared)
@@ -290,10 +378,26 @@ class HybridSequenceTable(SequenceQueries):
         released, kept = blocks[:out], blocks[out:]
         if released:
             self._offer_released(seq, g, old_first, released, old)
-            group.free_blocks(released)
+            # a step of several tokens attends from `old + 1 - window`: what it reads stays for the step
+            reads_from = max(0, old + 1 - self._window[g]) // bs
+            held.extra.update((i, b) for i, b in enumerate(released, old_first) if i >= reads_from)
+            group.free_blocks([b for i, b in enumerate(released, old_first) if i < reads_from])
         held.blocks = kept
         held.dropped = first if kept else (start if fresh else old_first + out)
         held.num_tokens, held.step_start = total, old
+
+    def _release_extra(self, seq: _HSeq, g: int, written: int) -> None:
+        """Offer (what of it is written) and free a sliding group's branch-point blocks."""
+        held = seq.held[g]
+        if held.extra:
+            extra, held.extra = held.extra, {}
+            prefix, bs = self._prefix, self._bs[g]
+            if prefix is not None and not prefix.closed():
+                known = min(len(seq.tokens), written)
+                pairs = [((i + 1) * bs, b) for i, b in sorted(extra.items()) if (i + 1) * bs <= known]
+                if pairs:
+                    prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+            self._groups[g].free_blocks(list(extra.values()))
 
     def _offer_released(self, seq: _HSeq, g: int, first: int, blocks: list[int], written: int) -> None:
         """Offer a sliding group's released blocks whose KV was written (end <= `written`)
@@ -313,13 +417,13 @@ class HybridSequenceTable(SequenceQueries):
         parent = self._get(src)
         if dst in self._seqs:
             raise ValueError(f"sequence {dst!r} already exists")
-        undo = _Undo(self._cache)
+        undo = _Undo(self._groups)
         child = _HSeq(parent.num_tokens, list(parent.tokens), parent.adapter_id, parent.num_tokens)
         child.tokens_known = parent.tokens_known
         try:
             for g in self._states:
                 (slot,) = undo.alloc(g, 1)
-                child.slots[g], child.checkpoints[g], child.step_checkpoint[g] = slot, [], -1
+                child.slots[g], child.checkpoints[g], child.step_checkpoints[g] = slot, [], 0
             for g in self._states:
                 self._copy(g, parent.slots[g], child.slots[g])
         except BaseException:
@@ -331,6 +435,7 @@ class HybridSequenceTable(SequenceQueries):
             twin = child.held[g] = _Held(list(held.blocks), held.dropped, held.num_tokens, held.num_tokens)
             if parent.num_tokens % self._bs[g]:
                 held.maybe_shared = twin.maybe_shared = True
+                parent.room = 0
         self._seqs[dst] = child
 
     def _offer(self, seq: _HSeq) -> int:
@@ -341,7 +446,8 @@ class HybridSequenceTable(SequenceQueries):
         entries = {}
         for g in self._attn:
             held, bs = seq.held[g], self._bs[g]
-            pairs = [((i + 1) * bs, b) for i, b in enumerate(held.blocks, held.dropped) if (i + 1) * bs <= limit]
+            pairs = [((i + 1) * bs, b) for i, b in sorted(held.extra.items()) if (i + 1) * bs <= limit]
+            pairs += [((i + 1) * bs, b) for i, b in enumerate(held.blocks, held.dropped) if (i + 1) * bs <= limit]
             if pairs:
                 entries[g] = pairs
         for g in self._states:
@@ -353,7 +459,7 @@ class HybridSequenceTable(SequenceQueries):
     def _drop_checkpoints(self, seq: _HSeq) -> None:
         for g in self._states:
             slots = [slot for _, slot in seq.checkpoints[g]]
-            seq.checkpoints[g] = []
+            seq.checkpoints[g], seq.step_checkpoints[g] = [], 0
             if slots:
                 self._cache.group(g).free_blocks(slots)
 
@@ -369,6 +475,7 @@ class HybridSequenceTable(SequenceQueries):
         finally:
             self._drop_checkpoints(seq)
             for g in self._attn:
+                self._release_extra(seq, g, 0)
                 self._cache.group(g).free_blocks(seq.held[g].blocks)
             for g in self._states:
                 self._cache.group(g).free_blocks([seq.slots[g]])
@@ -386,6 +493,8 @@ class HybridSequenceTable(SequenceQueries):
             return self._offer(seq)
         finally:
             self._drop_checkpoints(seq)
+            for g in self._attn:
+                self._release_extra(seq, g, 0)
 
     @guarded
     def take_pending_copies(self) -> list[tuple[int, int, int]]:
@@ -420,6 +529,17 @@ class HybridSequenceTable(SequenceQueries):
         if g not in self._states:
             raise ValueError(f"group {g} is not a state group")
         return g
+
+    def step_blocks(self, seq_id: Hashable, group: int = 0) -> dict[int, int]:
+        """Block index -> block id of every block of attention group `group` the sequence's
+        latest step may read or write: its held blocks and, after an `add`, the blocks outside
+        its window that step still needs (a sliding group's matched blocks covering
+        `[hit - window, hit)`, which the prefill attends to, and its branch-point blocks).
+        Those extra ones are the sequence's until its next `append`, `cache_prefix` or `free`."""
+        h = self._get(seq_id).held[self._attention(group)]
+        out = dict(h.extra)
+        out.update(enumerate(h.blocks, h.dropped))
+        return out
 
     def blocks(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """The blocks the sequence holds in attention group `group`, oldest first (a copy)."""
@@ -471,7 +591,8 @@ class HybridSequenceTable(SequenceQueries):
             h = seq.held[g]
             for pos in range(h.step_start, h.num_tokens):
                 i = pos // bs - h.dropped
-                out.append(h.blocks[i] * bs + pos % bs if 0 <= i < len(h.blocks) else -1)
+                b = h.blocks[i] if 0 <= i < len(h.blocks) else h.extra.get(pos // bs, -1)
+                out.append(b * bs + pos % bs if b != -1 else -1)
         slots = np.array(out, dtype=np.int64)
         if pad_to is not None:
             pad_to = non_negative_int(pad_to, "pad_to")
@@ -487,21 +608,35 @@ class HybridSequenceTable(SequenceQueries):
         slots = np.array([s.slots[g] for s in self._seq_list(seq_ids)], dtype=np.int32)
         return Exported(slots, self._upload(f"state_slots:{g}", [slots]))
 
+    def _step_pairs(self, seq: _HSeq, g: int) -> list[tuple[int, int]]:
+        n = seq.step_checkpoints[g]
+        return seq.checkpoints[g][len(seq.checkpoints[g]) - n:] if n else []
+
     @guarded
     def checkpoint_slots(self, seq_ids: Iterable[Hashable], group: int | None = None) -> Exported:
-        """int32, one per sequence: the checkpoint slot its latest `add`/`append` was given in
-        state group `group` (-1 where that step reached no checkpoint position). The engine
-        writes the state as of that position there (or `cache.copy_state` from the live slot)."""
+        """int32, one per sequence: the deepest checkpoint slot its latest `add`/`append` was
+        given in state group `group` (-1 where that step reached no checkpoint position). The
+        engine writes the state as of that position there (or `cache.copy_state` from the live
+        slot). A step that reached several positions (a long prompt) lists them all in
+        `step_checkpoints`."""
         g = self._state(group)
-        slots = np.array([s.step_checkpoint[g] for s in self._seq_list(seq_ids)], dtype=np.int32)
+        slots = np.array([(self._step_pairs(s, g) or [(0, -1)])[-1][1] for s in self._seq_list(seq_ids)],
+                         dtype=np.int32)
         return Exported(slots, self._upload(f"checkpoint_slots:{g}", [slots]))
 
     def checkpoint_position(self, seq_id: Hashable, group: int | None = None) -> int:
-        """The token position of the latest step's checkpoint in state group `group` (-1: none)."""
+        """The token position of the latest step's deepest checkpoint in state group `group` (-1: none)."""
         g = self._state(group)
-        seq = self._get(seq_id)
-        slot = seq.step_checkpoint[g]
-        return next((pos for pos, s in seq.checkpoints[g] if s == slot), -1) if slot != -1 else -1
+        return (self._step_pairs(self._get(seq_id), g) or [(-1, -1)])[-1][0]
+
+    def step_checkpoints(self, seq_id: Hashable, group: int | None = None) -> list[tuple[int, int]]:
+        """`(position, slot)` of every checkpoint the latest `add`/`append` of the sequence was
+        given in state group `group`, ascending: the positions of `(old, new]` that are
+        multiples of `checkpoint_every`, and for `add` the end of the prompt's last whole match
+        unit. The engine writes the state as of each position into its slot before the step's
+        `cache_prefix` or `free` (after which the slots belong to the prefix cache)."""
+        g = self._state(group)
+        return list(self._step_pairs(self._get(seq_id), g))
 
     @guarded
     def check_invariants(self) -> None:
@@ -522,7 +657,7 @@ class HybridSequenceTable(SequenceQueries):
                                            f"{h.dropped + len(h.blocks)} for span {first}..{end}")
                     if self._window[g] is not None and len(h.blocks) > max_live_blocks(self._window[g], self._bs[g]):
                         raise KvCacheError(f"sequence {seq_id!r} holds {len(h.blocks)} blocks of sliding group {g}")
-                    for b in h.blocks:
+                    for b in h.blocks + list(h.extra.values()):
                         count(b)
                 else:
                     count(seq.slots[g])

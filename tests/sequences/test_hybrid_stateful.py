@@ -43,6 +43,14 @@ def state_of(prefix: tuple) -> np.ndarray:
     return np.frombuffer(_digest(prefix + (-1,)), np.uint8)[:4].astype(np.float32)
 
 
+def common(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def reference_match(entries: dict, prompt: list[int]) -> int:
     """The match rule, by brute force over every candidate p."""
     best = 0
@@ -65,25 +73,28 @@ class HybridMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
 
-    def _write_step(self, sid: int) -> None:
-        """The engine's part of a step: K/V of the step's positions, the live state, the
-        checkpoint state at its position."""
+    def _write_step(self, sid: int, old: int, prompt_ends: tuple = ()) -> None:
+        """The engine's part of a step from `old` tokens: K/V of the step's positions, the
+        live state, the checkpoint states at its positions (each multiple of EVERY past `old`,
+        and for an add `prompt_ends`: the prompt's last whole block and the branch point)."""
         toks = self.tokens[sid]
         for layer, group in ((0, 0), (1, 1)):
             export = self.table.slot_mapping([sid], group=group)
             slots = np.asarray(export)
-            start = len(toks) - slots.size
+            first = len(toks) - slots.size
             if slots.size:
-                k = np.stack([kv_row(tuple(toks[: start + i + 1]), 0) for i in range(slots.size)])[:, None, :]
-                v = np.stack([kv_row(tuple(toks[: start + i + 1]), 1) for i in range(slots.size)])[:, None, :]
+                k = np.stack([kv_row(tuple(toks[: first + i + 1]), 0) for i in range(slots.size)])[:, None, :]
+                v = np.stack([kv_row(tuple(toks[: first + i + 1]), 1) for i in range(slots.size)])[:, None, :]
                 self.cache.write_tokens(layer, slots, k, v, self.gpu, 0)
         (live,) = np.asarray(self.table.state_slots([sid])).tolist()
         self.cache.write_state(2, live, state_of(tuple(toks)), self.gpu)
+        pairs = self.table.step_checkpoints(sid)
         (ckpt,) = np.asarray(self.table.checkpoint_slots([sid])).tolist()
-        if ckpt != -1:
-            pos = self.table.checkpoint_position(sid)
-            assert pos % EVERY == 0 or pos == (len(toks) // BS) * BS
-            self.cache.write_state(2, ckpt, state_of(tuple(toks[:pos])), self.gpu)
+        assert ckpt == (pairs[-1][1] if pairs else -1)
+        want = set(range((old // EVERY + 1) * EVERY, len(toks) + 1, EVERY)) | {p for p in prompt_ends if p > old}
+        assert [pos for pos, _ in pairs] == sorted(want)
+        for pos, slot in pairs:
+            self.cache.write_state(2, slot, state_of(tuple(toks[:pos])), self.gpu)
 
     @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 12), extra=st.lists(st.integers(1, 3), max_size=3))
     def add(self, base, cut, extra):
@@ -102,7 +113,9 @@ class HybridMachine(RuleBasedStateMachine):
         (live,) = np.asarray(self.table.state_slots([sid])).tolist()
         np.testing.assert_array_equal(self.cache.read_state(2, live, self.gpu), state_of(tuple(prompt[:got])))
         self.tokens[sid] = prompt
-        self._write_step(sid)
+        # the branch point: how far the prompt (but its last token) follows a cached chain
+        shared = max((common(t, prompt[:-1]) // BS * BS for t, _ in entries), default=0)
+        self._write_step(sid, got, ((len(prompt) // BS) * BS, shared))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new=st.lists(st.integers(1, 3), min_size=1, max_size=5))
@@ -115,7 +128,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert self.table.num_tokens(sid) == before
             return
         self.tokens[sid] = self.tokens[sid] + new
-        self._write_step(sid)
+        self._write_step(sid, before)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
