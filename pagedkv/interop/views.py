@@ -4,7 +4,8 @@ A `PoolView` describes one pool as a tensor, zero copy, for DLPack consumers (an
 `__cuda_array_interface__` v3 where its typestr can express the dtype):
 
 - bf16 side: `(num_blocks, block_size, num_kv_heads, head_dim)` bfloat16 (NHD blocks);
-- fp8 side: the same shape in float8_e4m3fn (the per-tensor scale lives outside the cache);
+- fp8 side: the same shape in float8_e4m3fn (the per-tensor scale is the config's
+  `k_scale` / `v_scale`, not in the blocks);
 - `bits_view()`: the bf16 / fp8 tensor as uint16 / uint8 (numpy's `from_dlpack` has
   neither dtype);
 - packed side (nvfp4, turbo*): uint8 `(num_blocks, side_block_bytes)`, with `data_view()`
