@@ -228,6 +228,11 @@ class PagedKvCache(CacheGeometry):
 
     # -- elastic memory ---------------------------------------------------------------
 
+    def pools_live(self) -> bool:
+        """True until `release` frees the pools (a view checks it before reusing its
+        prepared export)."""
+        return self._pools.is_live()
+
     def is_elastic(self) -> bool:
         """True for a cache made with `elastic=True`."""
         return self._elastic
