@@ -80,8 +80,9 @@ class _Seq:
         self.row = -1  # row in the table's persistent batch (KeptBatch)
 
     def settle(self, block_size: int) -> None:
-        """Recompute `room` after the blocks or `maybe_shared` changed."""
-        self.room = -1 if self.maybe_shared else (self.dropped + len(self.blocks)) * block_size
+        """Recompute `room` after the blocks, `maybe_shared` or `lookahead` changed (-1, no
+        room, while drafts are to be taken back first)."""
+        self.room = -1 if self.maybe_shared or self.lookahead else (self.dropped + len(self.blocks)) * block_size
 
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
@@ -253,7 +254,6 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             seq = self._seqs.get(seq_id)
             if (
                 seq is not None
-                and not seq.lookahead
                 and type(token_ids) is list
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
             ):
@@ -263,13 +263,19 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
                     token_id = None
                 if type(token_id) is int and 0 <= token_id <= _MAX_TOKEN_ID:
                     old = seq.num_tokens
-                    grown = old >= seq.room  # a block boundary (or a shared last block): allocate or copy
-                    if grown:
+                    if old < seq.room:  # room in a private last block (a record with drafts has none)
+                        grown = False
+                        seq.num_tokens = old + 1
+                        seq.step_start = old
+                        if seq.tokens_known:
+                            seq.tokens.append(token_id)
+                    elif not seq.lookahead:  # a block boundary (or a shared last block): allocate or copy
                         self._grow_claimed(seq, old)
-                    seq.num_tokens = old + 1
-                    seq.step_start = old
-                    if seq.tokens_known:
-                        seq.tokens.append(token_id)
+                        grown = True
+                        seq.num_tokens = old + 1
+                        seq.step_start = old
+                        if seq.tokens_known:
+                            seq.tokens.append(token_id)
         finally:
             token.append(True)
         if grown is None:
