@@ -83,6 +83,13 @@ def _values(event: object) -> tuple[str, tuple, int]:
 def event_fields(event: object) -> tuple:
     """One pagedkv event as vLLM's tagged array (a tuple: msgpack writes it as an array),
     trailing fields at their default (None) left out."""
+    kind = type(event)
+    if kind is BlockStored and event.extra_keys is None and event.group_idx is None:  # the usual store
+        if event.kv_cache_spec_kind is None and event.kv_cache_spec_sliding_window is None:
+            return ("BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                    event.adapter_id or None, event.medium, None)
+    elif kind is BlockRemoved and event.group_idx is None:
+        return ("BlockRemoved", event.block_hashes, event.medium)
     tag, values, required = _values(event)
     n = len(values)
     while n > required and values[n - 1] is None:
