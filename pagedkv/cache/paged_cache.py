@@ -228,6 +228,11 @@ class PagedKvCache(CacheGeometry):
 
     # -- elastic memory ---------------------------------------------------------------
 
+    def pools_live(self) -> bool:
+        """True until `release` frees the pools (a view checks it before reusing its
+        prepared export)."""
+        return self._pools.is_live()
+
     def is_elastic(self) -> bool:
         """True for a cache made with `elastic=True`."""
         return self._elastic
@@ -401,39 +406,58 @@ class PagedKvCache(CacheGeometry):
         if v_bytes is not None and v_bytes.nbytes:
             gpu.copy_h2d(v_bytes, v_ptr)
 
+    def _scales(self, k_scale: object, v_scale: object) -> tuple[float, float]:
+        """The config's fp8 scales; an explicit scale must be the config's (ValueError naming both)."""
+        config = self._config
+        for name, given, own in (("k_scale", k_scale, config.k_scale), ("v_scale", v_scale, config.v_scale)):
+            if given is not None and not (given == own or np.float32(given) == np.float32(own)):
+                raise ValueError(
+                    f"{name} {given!r} differs from the cache's {name} {own!r}: the fp8 scales are part of the "
+                    f"cache's layout, set them in KvCacheConfig({name}=...)"
+                )
+        return config.k_scale, config.v_scale
+
     def write_tokens(self, layer: int, slots, k, v, gpu: GpuBackend, stream: int,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                     k_scale: float | None = None, v_scale: float | None = None) -> None:
         """Encode and write token rows of K and V into `layer`'s slots (`block * block_size +
         offset`, -1 skips), each side in its own format; see `pagedkv.kv_rows.write_tokens`.
         Every destination block must be held (count > 0) and not in the prefix cache:
-        refused naming the block otherwise, before anything is written."""
+        refused naming the block otherwise, before anything is written. fp8 sides use the
+        config's `k_scale` / `v_scale`; a scale given here must equal it (ValueError naming
+        both otherwise)."""
+        k_scale, v_scale = self._scales(k_scale, v_scale)
         kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
                              check_blocks=self._allocator.check_writable,
                              nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr))
 
-    def plan_layer_writes(self, layers, k_rows, v_rows, gpu: GpuBackend, k_scale: float = 1.0,
-                          v_scale: float = 1.0) -> kv_prefill.LayerWritePlan:
+    def plan_layer_writes(self, layers, k_rows, v_rows, gpu: GpuBackend, k_scale: float | None = None,
+                          v_scale: float | None = None) -> kv_prefill.LayerWritePlan:
         """A `pagedkv.kv_prefill.LayerWritePlan`: the prefill writes of `layers` from the device
         rows `k_rows[i]`, `v_rows[i]`, each `plan.write(slots, stream)` one launch on
         CudaBackend (a `write_tokens` per layer elsewhere, destination blocks checked as
-        there); `plan.close()` frees its device table."""
+        there); `plan.close()` frees its device table. Scales as `write_tokens`."""
+        k_scale, v_scale = self._scales(k_scale, v_scale)
         return kv_prefill.LayerWritePlan(
             self._pools, layers, k_rows, v_rows, gpu, k_scale, v_scale,
             nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr),
             check_blocks=self._allocator.check_writable)
 
-    def plan_layer_reads(self, layers, out_k, out_v, gpu: GpuBackend, unrotate: bool = True, k_scale: float = 1.0,
-                         v_scale: float = 1.0) -> kv_prefill.LayerReadPlan:
+    def plan_layer_reads(self, layers, out_k, out_v, gpu: GpuBackend, unrotate: bool = True,
+                         k_scale: float | None = None, v_scale: float | None = None) -> kv_prefill.LayerReadPlan:
         """A `pagedkv.kv_prefill.LayerReadPlan`: the reads of `layers` into the device outputs
         `out_k[i]`, `out_v[i]`, each `plan.read(slots, stream)` one launch on CudaBackend (a
-        `read_tokens` per layer elsewhere); `plan.close()` frees its device table."""
+        `read_tokens` per layer elsewhere); `plan.close()` frees its device table. Scales as
+        `read_tokens`."""
+        k_scale, v_scale = self._scales(k_scale, v_scale)
         return kv_prefill.LayerReadPlan(self._pools, layers, out_k, out_v, gpu, unrotate, k_scale, v_scale)
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
-                    k_scale: float = 1.0, v_scale: float = 1.0, *, out_k=None, out_v=None,
+                    k_scale: float | None = None, v_scale: float | None = None, *, out_k=None, out_v=None,
                     stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) float32 rows decoded from `layer`'s slots, or the device output form
-        (`out_k`, `out_v`, enqueued on `stream`); see `pagedkv.kv_rows.read_tokens`."""
+        (`out_k`, `out_v`, enqueued on `stream`); see `pagedkv.kv_rows.read_tokens`. fp8
+        sides use the config's scales, as `write_tokens`."""
+        k_scale, v_scale = self._scales(k_scale, v_scale)
         return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale,
                                    out_k=out_k, out_v=out_v, stream=stream)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .dtype import GROUP_SIZE, KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
@@ -62,6 +63,12 @@ class KvCacheConfig:
     `layer_groups` (a tuple of `LayerGroup`) makes a hybrid cache: every layer in exactly
     one group, each attention group with its own block ids (see `pagedkv.groups`). Empty
     (the default) is one full-attention group of every layer: the cache of before.
+
+    `k_scale` / `v_scale` are the fp8 sides' per-tensor dequantisation scales (`value =
+    e4m3(byte) * scale`, docs/FORMATS.md), part of the cache's layout: every write and read
+    of the cache uses them (an explicit, different scale is refused), a transfer peer or a
+    disk tier directory with other scales over an fp8 layer is refused. Finite and positive
+    as float32 (ValueError naming the field and value); 1.0 unless told.
     """
 
     block_size: int
@@ -77,8 +84,12 @@ class KvCacheConfig:
     tp_rank: int = 0
     tp_size: int = 1
     layer_groups: tuple = ()
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("k_scale", "v_scale"):
+            object.__setattr__(self, name, _scale(getattr(self, name), name))
         for name, bound in _BOUNDS.items():
             object.__setattr__(self, name, _bounded(getattr(self, name), name, bound))
         object.__setattr__(self, "dtype", KvCacheDtype.parse(self.dtype))
@@ -136,6 +147,14 @@ class KvCacheConfig:
 
     def _check_layer(self, layer: int) -> int:
         return index_in_range(layer, self.num_layers, "layer", f"a cache of {self.num_layers} layers")
+
+    def kv_scales(self) -> tuple[float, float]:
+        """`(k_scale, v_scale)`: the fp8 sides' dequantisation scales."""
+        return (self.k_scale, self.v_scale)
+
+    def has_fp8_side(self) -> bool:
+        """True when some layer stores a side in fp8 (the sides `k_scale` / `v_scale` apply to)."""
+        return any(KvCacheDtype.FP8 in self.dtype_for_layer(layer).kv_pair() for layer in range(self.num_layers))
 
     def dtype_for_layer(self, layer: int) -> KvCacheDtype:
         """The storage format of `layer`."""
@@ -262,4 +281,17 @@ def _bounded(value: object, what: str, bound: int) -> int:
     number = positive_int(value, what)
     if number > bound:
         raise ValueError(f"{what} is {number}, past the bound of {bound}")
+    return number
+
+
+def _scale(value: object, name: str) -> float:
+    """`value` as a float that is finite and positive in float32; ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r:.60}")
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r:.60}") from None
+    if not math.isfinite(number) or number <= 0 or number > 3.4028234663852886e38 or number < 1.401298464324817e-45:
+        raise ValueError(f"{name} must be a finite positive number (as float32), got {value!r:.60}")
     return number

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.log import get_logger
-from .wire import encode_batch
+from .wire import ENCODINGS, encode_batch
 
 _log = get_logger("events")
 
@@ -54,12 +54,17 @@ class ZmqPublisher:
     """Publishes the events it is called with to `endpoint` (a PUB socket: bound when the
     address has a `*`, `::`, or is ipc:// / inproc://, else connected, as vLLM does) under
     `topic`. `max_queue` bounds the events waiting for the thread; `buffer_steps` the
-    batches kept for replay. `close()` sends what is queued, then closes the sockets."""
+    batches kept for replay. `encoding` is how events are written: "array" (tagged arrays,
+    vLLM up to 0.25) or "map" (named fields, vLLM from 0.26); see `pagedkv.events.wire`.
+    `close()` sends what is queued, then closes the sockets."""
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None, *,
                  max_queue: int = 100_000, max_batch: int = 1024, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 data_parallel_rank: int | None = None, linger_ms: int = 1000):
+                 data_parallel_rank: int | None = None, linger_ms: int = 1000, encoding: str = "array"):
         zmq = _zmq()
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+        self._encoding = encoding
         for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("buffer_steps", buffer_steps),
                             ("hwm", hwm)):
             if type(value) is not int or value < 1:
@@ -153,7 +158,7 @@ class ZmqPublisher:
         events = [queue.popleft() for _ in range(n)]
         self._dropping = False
         try:
-            payload = encode_batch(time.time(), events, self._rank)
+            payload = encode_batch(time.time(), events, self._rank, self._encoding)
             seq = self._seq + 1
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         except Exception as err:  # noqa: BLE001 - the thread must go on; the batch is lost and counted

@@ -52,6 +52,8 @@ class GroupLayout:
             layout=c.layout,
             tp_rank=c.tp_rank,
             tp_size=c.tp_size,
+            k_scale=c.k_scale,
+            v_scale=c.v_scale,
         )
 
     def num_groups(self) -> int:

@@ -4,7 +4,8 @@ A `PoolView` describes one pool as a tensor, zero copy, for DLPack consumers (an
 `__cuda_array_interface__` v3 where its typestr can express the dtype):
 
 - bf16 side: `(num_blocks, block_size, num_kv_heads, head_dim)` bfloat16 (NHD blocks);
-- fp8 side: the same shape in float8_e4m3fn (the per-tensor scale lives outside the cache);
+- fp8 side: the same shape in float8_e4m3fn (the per-tensor scale is the config's
+  `k_scale` / `v_scale`, not in the blocks);
 - `bits_view()`: the bf16 / fp8 tensor as uint16 / uint8 (numpy's `from_dlpack` has
   neither dtype);
 - packed side (nvfp4, turbo*): uint8 `(num_blocks, side_block_bytes)`, with `data_view()`
@@ -33,7 +34,8 @@ from ..backends.capabilities import BackendFeatureMissing, backend_supports, dev
 from ..backends.protocol import DevicePtr
 from ..core.dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
 from ..core.streams import stream_handle
-from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, CapsuleTemplate, DlpackProducer, TensorSpec, prepared_export
+from .dlpack import (KDL_CPU, KDL_CUDA, STREAM_LEGACY, _VERSIONS, CapsuleTemplate, DlpackProducer, TensorSpec,
+                     prepared_export)
 
 NUMPY_DTYPES = {
     "uint8": np.dtype(np.uint8),
@@ -195,7 +197,7 @@ class PoolView(_MemoryExport):
             raise ValueError(f"readonly must be a bool, got {readonly!r}")
         stream_handle(stream)  # validates; the object itself is kept for the backend
         self._dl_device = dlpack_device_of(gpu)  # fixed: the backend's device kind does not change
-        self._templates: dict[tuple[bool, int], tuple[int, CapsuleTemplate]] = {}
+        self._templates: dict[tuple[bool, int], CapsuleTemplate] = {}
         config = cache.config()
         self._layer_index = config._check_layer(layer)
         if side == "V" and config.v_aliases_k:
@@ -248,18 +250,30 @@ class PoolView(_MemoryExport):
         return self._dl_device
 
     def _template(self, versioned: bool, minor: int) -> CapsuleTemplate:
-        """The prepared export, kept per capsule kind while the pool stays where it is
-        (a released cache raises in `_address`, before any kept export is used). An
-        elastic cache's is made afresh each time: its mapping (checked by the backend's
-        view of the whole extent) may change between exports."""
-        address = int(self._address())
-        if self._cache.is_elastic():
-            return prepared_export(self._tensor_spec(), versioned, minor)
+        """The prepared export, kept per capsule kind for the pool's life: a whole
+        (non-elastic) pool never moves, so only its release is checked (a released cache
+        raises in `_address`, before any kept export is used). An elastic cache's is made
+        afresh each time: its mapping (checked by the backend's view of the whole extent)
+        may change between exports."""
+        cache = self._cache
         kept = self._templates.get((versioned, minor))
-        if kept is None or kept[0] != address:
-            kept = (address, prepared_export(self._tensor_spec(), versioned, minor))
-            self._templates[(versioned, minor)] = kept
-        return kept[1]
+        if kept is not None and cache.pools_live():
+            return kept
+        self._address()  # raises once the cache is released
+        template = prepared_export(self._tensor_spec(), versioned, minor)
+        if not cache.is_elastic():
+            self._templates[(versioned, minor)] = template
+        return template
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """See `DlpackProducer.__dlpack__`; a host view's usual zero-copy request (no stream,
+        device or copy asked for) takes its kept export without the general checks."""
+        if stream is None and dl_device is None and copy is None and self._dl_device[0] != KDL_CUDA:
+            kept = self._templates.get(_VERSIONS.get(max_version) if type(max_version) is tuple or max_version is None
+                                       else None)
+            if kept is not None and self._cache.pools_live():
+                return kept.make()
+        return DlpackProducer.__dlpack__(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def _stride(self) -> int:
         layer = self._layer_index

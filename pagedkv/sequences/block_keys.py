@@ -106,6 +106,26 @@ def block_keys(adapter_id: int, cache_salt: object, extra_keys: object, block_si
     return BlockKeys(adapter_id, cache_salt, raw, extra, block_size)
 
 
+def with_ranges(keys: BlockKeys | None, adapter_id: int, ranges: tuple, block_size: int) -> BlockKeys | None:
+    """`keys` (None: a prompt with no salt and no extra keys) with the checked `ranges`
+    (absolute token positions) added after its own: a new BlockKeys (a fork may share the
+    old one); `keys` itself when `ranges` is empty."""
+    if not ranges:
+        return keys
+    if keys is None:
+        return BlockKeys(adapter_id, None, None, ranges, block_size)
+    return BlockKeys(keys.adapter_id, keys.salt, keys.salt_raw, keys.extra + ranges, keys.block_size)
+
+
+def cut_at(keys: BlockKeys | None, end: int) -> BlockKeys | None:
+    """`keys` with its extra-key ranges cut to positions before `end` (a range past it
+    shortened, one starting at or after it dropped): a new BlockKeys when any changed."""
+    if keys is None or all(offset + length <= end for offset, length, _ in keys.extra):
+        return keys
+    extra = tuple((offset, min(length, end - offset), key) for offset, length, key in keys.extra if offset < end)
+    return BlockKeys(keys.adapter_id, keys.salt, keys.salt_raw, extra, keys.block_size)
+
+
 def root_adapter(root_key: object) -> int:
     """The adapter id of a tree root key (`adapter_id` or `(adapter_id, salt)`)."""
     return root_key if type(root_key) is int else root_key[0]  # type: ignore[index]

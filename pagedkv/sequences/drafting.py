@@ -10,6 +10,7 @@ from typing import Any, Hashable
 
 from ..core.guard import guarded
 from ..core.validate import MAX_TOKEN_ID, non_negative_int
+from .block_keys import cut_at
 
 
 class DraftingSteps:
@@ -101,7 +102,8 @@ class DraftingSteps:
         with its position). A block now partly filled is offered to the prefix cache only
         once committed tokens with ids fill it again, and when another sequence or the
         prefix cache holds it, the next write copies it first (the cached KV is never
-        written). The latest step then introduced no positions (`slot_mapping` is empty
+        written). Extra keys of positions taken back are cut with them (a range past the
+        new end is shortened to it). The latest step then introduced no positions (`slot_mapping` is empty
         for it until the next `append`)."""
         seq = self._get(seq_id)
         num_tokens = non_negative_int(num_tokens, "num_tokens")
@@ -116,6 +118,7 @@ class DraftingSteps:
             )
         self._reshape(seq, num_tokens, num_tokens, 0)
         seq.lookahead = 0
+        seq.salt = cut_at(seq.salt, num_tokens)  # extra keys of positions taken back go with them
         if not seq.dropped and len(seq.tokens) >= num_tokens:
             del seq.tokens[num_tokens:]
             seq.tokens_known = True  # every remaining position has its id

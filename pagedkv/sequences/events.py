@@ -4,7 +4,8 @@ Events are queued while an operation runs and handed to the consumer only once i
 complete (never from inside it): `EventQueue.deliver` runs at the end of a public call of
 the prefix cache or a table on it, or after an allocation that evicted. Every event carries
 `seq`, its prefix cache's event number (1, 2, 3, ... in emission order, so a consumer sees a
-gap as a lost event) and `medium` where blocks are concerned.
+gap as a lost event) and `medium` where blocks are concerned; a hybrid prefix cache's events
+also carry the group index (`group_idx`, with the group's kind and window on stores).
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class BlockStored:
     """Per block, the tuple of its extra keys where vLLM places them (the `extra_keys`
     covering it in the given order, then the cache salt on a prompt's first block), or
     None for a block with none; None for the whole event when no block has any."""
+    group_idx: int | None = None
+    """The layer group the blocks belong to (a hybrid cache's group index); None for a
+    cache without groups. On the wire: vLLM's `group_idx`."""
+    kv_cache_spec_kind: str | None = None
+    """The group's kind as vLLM names it: "full_attention", "sliding_window" or "mamba" (a
+    state group); None without groups."""
+    kv_cache_spec_sliding_window: int | None = None
+    """A sliding group's window in tokens; else None."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class BlockRemoved:
     """The tier the blocks left: "GPU" or "CPU"."""
     seq: int = field(default=0, compare=False)
     """The event's number in its prefix cache (from 1, no gaps; not part of equality)."""
+    group_idx: int | None = None
+    """The layer group the blocks belonged to (None for a cache without groups)."""
 
 
 @dataclass(frozen=True)

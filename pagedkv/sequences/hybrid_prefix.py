@@ -16,14 +16,16 @@ The cache holds one reference of its own on every entry (block or slot) and is t
 list runs short) takes entries only the cache holds: first sliding blocks no hit can use
 (no anchor within a window after them: a checkpoint of every state group, or without state
 groups a chain end or a branch point), then least recently used, deepest first. Events
-(`GroupBlockStored`, `GroupBlockRemoved`) carry the group index.
+(`GroupBlockStored`, `GroupBlockRemoved`) carry the group index, the event's number (`seq`)
+and what vLLM's KV events carry (`pagedkv.events` publishes them as vLLM's `BlockStored` /
+`BlockRemoved` with `group_idx` and the group's kind).
 
 Not here yet: host and disk tiers (refused at construction).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 from ..cache.hybrid_cache import HybridKvCache
@@ -36,10 +38,21 @@ from .hashing import chain_hash, root_hash
 from .tree import adapter_id_checked
 
 
+SPEC_KINDS = {"full": "full_attention", "sliding": "sliding_window", "state": "mamba"}
+"""A group kind as vLLM's KV events name it (`kv_cache_spec_kind`)."""
+
+
 @dataclass(frozen=True)
 class GroupBlockStored:
     """An entry newly cached: `block_id` (a block, or a state slot) of `group`, ending at token
-    `position` of the chain whose unit hash there is `block_hash`."""
+    `position` of the chain whose unit hash there is `block_hash`.
+
+    What a router needs besides (vLLM's `BlockStored` fields; the wire format sends it as
+    one): `token_ids`, the `block_size` tokens the entry ends (an attention group's block;
+    a state group's last unit, `[position - unit, position)`), `parent_block_hash`, the
+    unit hash where those tokens start (None at the chain's start), `medium`, the group's
+    `kv_cache_spec_kind` ("full_attention", "sliding_window", "mamba") and a sliding
+    group's window in tokens, and `seq`, the event's number in its prefix cache."""
 
     group: int
     block_id: int
@@ -47,16 +60,36 @@ class GroupBlockStored:
     block_hash: int
     adapter_id: int
     kind: str = "stored"
+    token_ids: tuple = ()
+    parent_block_hash: int | None = None
+    block_size: int = 0
+    medium: str = "GPU"
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    seq: int = field(default=0, compare=False)
+
+    @property
+    def group_idx(self) -> int:
+        """`group` (the name vLLM's events give it)."""
+        return self.group
 
 
 @dataclass(frozen=True)
 class GroupBlockRemoved:
-    """An entry evicted (or dropped by `clear`): `block_id` of `group` is free again."""
+    """An entry evicted (or dropped by `clear`): `block_id` of `group` is free again; `seq`
+    is the event's number in its prefix cache."""
 
     group: int
     block_id: int
     block_hash: int
     kind: str = "removed"
+    medium: str = "GPU"
+    seq: int = field(default=0, compare=False)
+
+    @property
+    def group_idx(self) -> int:
+        """`group` (the name vLLM's events give it)."""
+        return self.group
 
 
 class HybridMatch(NamedTuple):
@@ -338,9 +371,25 @@ class HybridPrefixCache:
                 self._where[g][entry] = target
                 self._touch(g, entry)
                 stored += 1
-                self._emit(GroupBlockStored(g, entry, pos, target.hash, adapter_id))
+                if self._events.consumer is not None:
+                    self._emit(self._stored_event(g, entry, pos, path, tokens, adapter_id))
         self._prune(path[-1] if path else None)
         return stored
+
+    def _stored_event(self, g: int, entry: int, pos: int, path: list, tokens: Sequence[int],
+                      adapter_id: int) -> GroupBlockStored:
+        """The event of group g's entry `entry` ending at `pos` on `path` (the chain's nodes)."""
+        group, u = self._groups[g], self._unit
+        span = self._layout.block_size(g) if group.is_attention() else u
+        start = pos - span
+        return GroupBlockStored(
+            g, entry, pos, path[pos // u - 1].hash, adapter_id,
+            token_ids=tuple(int(t) for t in tokens[start:pos]),
+            parent_block_hash=path[start // u - 1].hash if start > 0 else None,
+            block_size=span,
+            kv_cache_spec_kind=SPEC_KINDS[group.kind],
+            kv_cache_spec_sliding_window=group.window if group.kind == "sliding" else None,
+        )
 
     # -- eviction -----------------------------------------------------------------------
 

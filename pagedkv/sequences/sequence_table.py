@@ -31,7 +31,7 @@ from ..core.validate import MAX_TOKEN_ID, non_negative_int, token_ids_and_bytes
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from .batch import KeptBatch
-from .block_keys import block_keys
+from .block_keys import block_keys, extra_key_ranges, with_ranges
 from .drafting import DraftingSteps
 from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports, SequenceQueries
 from .hybrid_table import HybridSequenceTable
@@ -80,8 +80,9 @@ class _Seq:
         self.row = -1  # row in the table's persistent batch (KeptBatch)
 
     def settle(self, block_size: int) -> None:
-        """Recompute `room` after the blocks or `maybe_shared` changed."""
-        self.room = -1 if self.maybe_shared else (self.dropped + len(self.blocks)) * block_size
+        """Recompute `room` after the blocks, `maybe_shared` or `lookahead` changed (-1, no
+        room, while drafts are to be taken back first)."""
+        self.room = -1 if self.maybe_shared or self.lookahead else (self.dropped + len(self.blocks)) * block_size
 
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
@@ -214,7 +215,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         return matched
 
     def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None,
-               lookahead: int = 0) -> None:
+               lookahead: int = 0, extra_keys=None) -> None:
         """Extend a sequence by `n_tokens` (default: len(token_ids), else 1); `token_ids`,
         when given, are remembered so the blocks can be cached. Allocates only at a block
         boundary, copies a shared partly filled last block first, and releases the oldest
@@ -228,7 +229,17 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         (and in `block_table`, `page_table`, `seq_lens`): the drafts are not committed, so
         `num_tokens` leaves them out and they never reach the prefix cache. The next
         `append` or `truncate` takes them back first: its tokens reuse those positions (and
-        their blocks, KV included) and blocks no longer needed are released."""
+        their blocks, KV included) and blocks no longer needed are released.
+
+        `extra_keys` key the appended tokens' blocks as `add`'s key the prompt's (an image's
+        content hash over its placeholder tokens, ...): `(offset, length, key)` ranges with
+        offsets counted from this step's first token, each within the step's `n_tokens`
+        (ValueError naming it, nothing changed). When those blocks are offered to the prefix
+        cache their keys (and so, under "vllm-sha256-cbor", their hashes) carry them, after
+        the keys given before. `truncate` cuts ranges past the new end."""
+        if extra_keys is not None:
+            self._append_keyed(seq_id, n_tokens, token_ids, lookahead, extra_keys)
+            return
         if lookahead:
             self._append_drafting(seq_id, n_tokens, token_ids, lookahead)
             return
@@ -243,7 +254,6 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             seq = self._seqs.get(seq_id)
             if (
                 seq is not None
-                and not seq.lookahead
                 and type(token_ids) is list
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))
             ):
@@ -253,19 +263,43 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
                     token_id = None
                 if type(token_id) is int and 0 <= token_id <= _MAX_TOKEN_ID:
                     old = seq.num_tokens
-                    grown = old >= seq.room  # a block boundary (or a shared last block): allocate or copy
-                    if grown:
+                    if old < seq.room:  # room in a private last block (a record with drafts has none)
+                        grown = False
+                        seq.num_tokens = old + 1
+                        seq.step_start = old
+                        if seq.tokens_known:
+                            seq.tokens.append(token_id)
+                    elif not seq.lookahead:  # a block boundary (or a shared last block): allocate or copy
                         self._grow_claimed(seq, old)
-                    seq.num_tokens = old + 1
-                    seq.step_start = old
-                    if seq.tokens_known:
-                        seq.tokens.append(token_id)
+                        grown = True
+                        seq.num_tokens = old + 1
+                        seq.step_start = old
+                        if seq.tokens_known:
+                            seq.tokens.append(token_id)
         finally:
             token.append(True)
         if grown is None:
             self._append(seq_id, n_tokens, token_ids)  # nothing changed above: the full path from the start
         elif grown:
             self._deliver()
+
+    @guarded
+    def _append_keyed(self, seq_id: Hashable, n_tokens: object, token_ids: object, lookahead: object,
+                      extra_keys: object) -> None:
+        """`append` with extra keys for the step's tokens: checked first, attached once the
+        append succeeded."""
+        seq = self._get(seq_id)
+        n, _ = _step_arguments(n_tokens, token_ids)
+        ranges = extra_key_ranges(extra_keys)
+        for i, (offset, length, _key) in enumerate(ranges):
+            if offset + length > n:
+                raise ValueError(
+                    f"extra_keys[{i}] covers tokens [{offset}, {offset + length}) of the step, which appends {n}"
+                )
+        start = seq.num_tokens - seq.lookahead  # the committed end: the step's first token goes there
+        self.append(seq_id, n_tokens, token_ids, lookahead)
+        shifted = tuple((start + offset, length, key) for offset, length, key in ranges)
+        seq.salt = with_ranges(seq.salt, seq.adapter_id, shifted, self._bs)
 
     def _grow_claimed(self, seq: _Seq, old: int) -> None:
         """`_grow` for one more token, with the guard's token taken by `append`: the guard

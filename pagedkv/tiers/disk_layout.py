@@ -38,6 +38,9 @@ FORMATS_VERSION = 1
 SLOT_ALIGN = 4096
 """Slots start on 4 KiB boundaries (page-aligned file I/O)."""
 
+DEFAULT_SCALES = (1.0, 1.0)
+"""The fp8 scales a description without `fp8_scales` was written with."""
+
 COMPRESSIONS = (None, "zstd")
 """Lossless compressions a disk tier may apply to a slot's bytes (`zstd`: the zstandard package)."""
 
@@ -52,13 +55,17 @@ def slot_bytes_for(block_bytes: int) -> int:
 
 
 def describe(rows: list[dict], block_size: int, v_aliases_k: bool, tier_format: str | None,
-             compression: str | None, block_layout: str = "NHD") -> dict:
+             compression: str | None, block_layout: str = "NHD", fp8_scales: tuple = DEFAULT_SCALES) -> dict:
     """The layout description of a tier whose host blocks have `rows` (dicts with layer, side,
     dtype, num_kv_heads, head_dim, stride: `HostTier.rows()`). `block_layout` ("NHD" or
     "HND", the cache's `layout`) is recorded only when it is not NHD, so an NHD directory's
-    description is what it was before layouts existed."""
+    description is what it was before layouts existed; `fp8_scales` (the cache's `(k_scale,
+    v_scale)`) only when a row is stored in fp8 and they are not (1.0, 1.0), likewise."""
     block_bytes = sum(int(r["stride"]) for r in rows)
     extra = {} if block_layout == "NHD" else {"block_layout": block_layout}
+    scales = [float(fp8_scales[0]), float(fp8_scales[1])]
+    if scales != list(DEFAULT_SCALES) and any(r.get("dtype") == "fp8" for r in rows):
+        extra["fp8_scales"] = scales
     return {**extra,
         "layout_version": DISK_LAYOUT_VERSION,
         "formats_version": FORMATS_VERSION,
@@ -87,6 +94,9 @@ def differences(mine: dict, theirs: dict) -> list[str]:
     if mine.get("block_layout", "NHD") != theirs.get("block_layout", "NHD"):
         out.append(f"block_layout: here {mine.get('block_layout', 'NHD')!r}, "
                    f"directory {theirs.get('block_layout', 'NHD')!r}")
+    here, there = mine.get("fp8_scales", list(DEFAULT_SCALES)), theirs.get("fp8_scales", list(DEFAULT_SCALES))
+    if here != there:
+        out.append(f"fp8_scales (k_scale, v_scale): here {here!r}, directory {there!r}")
     a_rows, b_rows = mine.get("rows", []), theirs.get("rows", [])
     if len(a_rows) != len(b_rows):
         out.append(f"region rows: here {len(a_rows)}, directory {len(b_rows)}")

@@ -138,7 +138,8 @@ class DiskTier:
                 "on the device, once, on the way down)")
         config = host_tier.cache().config()
         layout = disk_layout.describe(host_tier.rows(), config.block_size, config.v_aliases_k,
-                                      host_tier.format_name(), self._compression, config.layout)
+                                      host_tier.format_name(), self._compression, config.layout,
+                                      config.kv_scales())
         self._layout = layout
         self._fingerprint = disk_layout.fingerprint(layout)
         self._slot_bytes = layout["slot_bytes"]

@@ -51,7 +51,8 @@ def tier_config(config: KvCacheConfig, format: Any) -> tuple[KvCacheConfig, list
     dims = tuple(config.dims_for_layer(i) for i in range(config.num_layers))
     tier = KvCacheConfig(block_size=config.block_size, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                          num_layers=config.num_layers, dtype=formats[0], layer_dtypes=tuple(formats), layer_dims=dims,
-                         v_aliases_k=config.v_aliases_k, layout=config.layout)
+                         v_aliases_k=config.v_aliases_k, layout=config.layout, k_scale=config.k_scale,
+                         v_scale=config.v_scale)
     transcoded = []
     for layer in range(config.num_layers):
         mine = tier.k_block_bytes_for_layer(layer) + tier.v_block_bytes_for_layer(layer)
@@ -154,8 +155,10 @@ class TierCodec:
             heads, head_dim = config.dims_for_layer(layer)
             k = DeviceArray(int(self._k_rows), (tokens, heads, head_dim), "float32")
             v = DeviceArray(int(self._v_rows), (tokens, heads, head_dim), "float32")
-            kv_rows.read_tokens(src, layer, src_slots, gpu, out_k=k, out_v=v, stream=stream)
-            kv_rows.write_tokens(dst, layer, dst_slots, k, None if config.v_aliases_k else v, gpu, stream)
+            kv_rows.read_tokens(src, layer, src_slots, gpu, k_scale=config.k_scale, v_scale=config.v_scale,
+                                out_k=k, out_v=v, stream=stream)  # (the tier's scales are the cache's)
+            kv_rows.write_tokens(dst, layer, dst_slots, k, None if config.v_aliases_k else v, gpu, stream,
+                                 config.k_scale, config.v_scale)
 
     def release(self, gpu: Any) -> None:
         """Free the staging pool and buffers (after the swaps using them are done); what

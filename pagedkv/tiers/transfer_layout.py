@@ -12,9 +12,9 @@ from ..core.dtype import KvCacheDtype, side_bytes
 from ..core.layout import SideLayout
 from .head_plan import PoolGeometry
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """Bumped whenever the layout description changes; peers of different versions refuse each other
-(2: block layout, TP placement and the sliding window joined the description)."""
+(2: block layout, TP placement and the sliding window joined the description; 3: the fp8 scales)."""
 
 FORMATS_VERSION = 1
 """The version of docs/FORMATS.md (the byte contract both sides' blocks follow)."""
@@ -24,7 +24,7 @@ def layout_of(cache: Any) -> dict:
     """The layout description two caches must agree on to exchange blocks: the byte-format
     versions, block size, layer count, V aliasing, sliding window (`window`, in blocks, or
     None), block layout (`block_layout`, NHD or HND), TP placement (`tp_rank`, `tp_size`),
-    and per layer its format, local and global heads, first global head, replication,
+    the fp8 sides' dequantisation scales (`k_scale`, `v_scale`), and per layer its format, local and global heads, first global head, replication,
     head_dim and K/V strides. The block count is not part of it (the two caches may differ
     in size)."""
     config = cache.config()
@@ -53,6 +53,8 @@ def layout_of(cache: Any) -> dict:
         "block_layout": config.layout,
         "tp_rank": config.tp_rank,
         "tp_size": config.tp_size,
+        "k_scale": config.k_scale,
+        "v_scale": config.v_scale,
         "layers": layers,
     }
 
@@ -67,9 +69,13 @@ def layout_differences(mine: dict, theirs: dict) -> list[str]:
     `what: here X, peer Y` lines (empty when blocks can move between them). The block
     layout (NHD/HND) and the TP placement may differ: blocks are split and gathered by head.
     Between the same TP sizes every layer's local heads and strides must match; between
-    different ones the global heads and the bytes per head."""
+    different ones the global heads and the bytes per head. The fp8 scales must match when
+    either side has a layer with an fp8 side (the bytes mean `e4m3 * scale`)."""
     out = []
-    for key in ("layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k", "window"):
+    keys = ["layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k", "window"]
+    if _has_fp8(mine) or _has_fp8(theirs):
+        keys += ["k_scale", "v_scale"]
+    for key in keys:
         if mine.get(key) != theirs.get(key):
             out.append(f"{key}: here {mine.get(key)!r}, peer {theirs.get(key)!r}")
     same_tp = mine.get("tp_size") == theirs.get("tp_size")
@@ -81,6 +87,17 @@ def layout_differences(mine: dict, theirs: dict) -> list[str]:
             if here != peer:
                 out.append(f"layer {layer} {key}: here {here!r}, peer {peer!r}")
     return out
+
+
+def _has_fp8(layout: dict) -> bool:
+    """True when a layer of `layout` stores a side in fp8 (an unreadable dtype counts as not)."""
+    for entry in layout.get("layers", []):
+        try:
+            if KvCacheDtype.FP8 in KvCacheDtype.parse(entry["dtype"]).kv_pair():
+                return True
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def _layer_field(layer: dict, key: str) -> object:

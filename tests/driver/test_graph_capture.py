@@ -181,7 +181,7 @@ from pagedkv import DeviceArray, HostBackend, KvCacheConfig, PagedKvCache, Seque
 from pagedkv.driver import CudaBackend, CudaGraph, GraphCaptureError
 from cuda.bindings import driver as D
 CONFIG = dict(block_size=16, num_kv_heads=2, head_dim=128, num_layers=4, dtype="bf16",
-              layer_dtypes=("bf16", "fp8k_turbo2v", "nvfp4", "turbo4k_turbo3v"))
+              layer_dtypes=("bf16", "fp8k_turbo2v", "nvfp4", "turbo4k_turbo3v"), k_scale=0.5, v_scale=2.0)
 HEADS, DIM, TOKENS, LAYERS = 2, 128, 20, 4
 NAMES = """cuCtxSynchronize cuEventSynchronize cuStreamSynchronize cuMemAlloc cuMemFree cuMemFreeHost
     cuMemHostAlloc cuMemcpyDtoD cuMemcpyDtoDAsync cuMemcpyDtoH cuMemcpyDtoHAsync cuMemcpyHtoD

@@ -30,9 +30,9 @@ def test_a_batch_is_vllms_array_like_kv_event_batch():
     payload = encode_batch(1.5, [stored, removed, AllBlocksCleared()])
     # [ts, events]: fixarray(2), float64 1.5, fixarray(3) ...; the rank (None) is omitted
     assert payload[:11] == b"\x92\xcb" + struct.pack(">d", 1.5) + b"\x93"
-    assert payload[11:24] == b"\x97\xabBlockStored"  # a tagged 7-element array
+    assert payload[11:24] == b"\x98\xabBlockStored"  # a tagged array of the 7 fields without a default
     assert msgpack.unpackb(payload) == [1.5, [
-        ["BlockStored", [7, 2**64 - 1], None, [1, 2, 3, 4], 2, None, "GPU"],
+        ["BlockStored", [7, 2**64 - 1], None, [1, 2, 3, 4], 2, None, "GPU", None],  # ... lora_name None last
         ["BlockRemoved", [b"\x01" * 32], "CPU"],
         ["AllBlocksCleared"],
     ]]

@@ -23,7 +23,8 @@ def _pair(fmt, heads=3, head_dim=32, **kw):
     caches = []
     for layout in ("NHD", "HND"):
         config = KvCacheConfig(block_size=BLOCK, num_kv_heads=heads, head_dim=head_dim, num_layers=2, dtype=fmt,
-                               layout=layout, layer_dims=((heads, head_dim), (1, 16)), **kw)
+                               layout=layout, layer_dims=((heads, head_dim), (1, 16)), k_scale=0.5, v_scale=2.0,
+                               **kw)
         cache = PagedKvCache(config, BLOCKS, gpu)
         cache.alloc_blocks(BLOCKS)
         cache.init_blocks(range(BLOCKS), gpu, 0)

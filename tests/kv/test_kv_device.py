@@ -14,7 +14,7 @@ from pagedkv import DeviceArray, HostBackend, KvCacheConfig, PagedKvCache
 from kernel_harness.stub import run_on_stub
 
 CONFIG = dict(block_size=16, num_kv_heads=2, head_dim=128, num_layers=2, dtype="turbo4k_turbo3v",
-              layer_dtypes=("turbo4k_turbo3v", "fp8k_turbo2v"))
+              layer_dtypes=("turbo4k_turbo3v", "fp8k_turbo2v"), k_scale=0.5, v_scale=2.0)
 
 
 def _rows(seed, tokens=5, dtype=np.float32):
@@ -80,7 +80,7 @@ def test_cuda_device_path_is_one_launch_and_byte_exact(stub_env):
         from pagedkv.driver import CudaBackend
         from pagedkv.interop.views import DeviceArrayPtr
         CONFIG = dict(block_size=16, num_kv_heads=2, head_dim=128, num_layers=2, dtype="turbo4k_turbo3v",
-                      layer_dtypes=("turbo4k_turbo3v", "fp8k_turbo2v"))
+                      layer_dtypes=("turbo4k_turbo3v", "fp8k_turbo2v"), k_scale=0.5, v_scale=2.0)
         NAMES = """cuCtxSynchronize cuEventSynchronize cuStreamSynchronize cuMemAlloc cuMemFree cuMemFreeHost
             cuMemHostAlloc cuMemcpyDtoD cuMemcpyDtoDAsync cuMemcpyDtoH cuMemcpyDtoHAsync cuMemcpyHtoD
             cuMemcpyHtoDAsync cuMemsetD8Async cuStreamQuery cuEventQuery""".split()

@@ -17,7 +17,7 @@ from pagedkv.errors import RefCountError
 
 CONFIG = dict(block_size=16, num_kv_heads=2, head_dim=128, num_layers=4, dtype="bf16",
               layer_dtypes=("turbo4", "fp8k_turbo2v", "nvfp4", "bf16k_turbo4v"),
-              layer_dims=((2, 128), (1, 256), (2, 64), (1, 128)))
+              layer_dims=((2, 128), (1, 256), (2, 64), (1, 128)), k_scale=0.5, v_scale=2.0)
 
 
 def test_host_plan_is_a_write_per_layer_and_refuses_bad_plans():

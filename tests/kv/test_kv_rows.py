@@ -48,7 +48,7 @@ def test_every_format_round_trips_through_mixed_layers(gpu, make_cache, fmt):
     # layer 2: the format again at unrotated dims.
     other = KvCacheDtype.TURBO3 if fmt is not KvCacheDtype.TURBO3 else KvCacheDtype.BF16
     cache = make_cache(num_layers=3, dtype=fmt, layer_dtypes=(fmt, other, fmt),
-                       layer_dims=((2, 128), (4, 32), (1, 64)))
+                       layer_dims=((2, 128), (4, 32), (1, 64)), k_scale=0.5, v_scale=2.0)
     rng = np.random.default_rng(list(KvCacheDtype).index(fmt))
     slots = np.array([9, 2, -1, 3, 20, 8, 10], dtype=np.int64)
     stream = gpu.default_stream()

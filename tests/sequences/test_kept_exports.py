@@ -169,3 +169,50 @@ def test_an_incremental_upload_copies_only_the_changed_rows():
     assert table.block_table().host.tolist() == again.host.tolist() and gpu.copied == []  # nothing changed
     assert int(full.device) == int(again.device)
     table.release()
+
+
+def test_the_kept_page_table_splices_few_grown_rows_rebuilds_the_rest_and_never_changes_an_export():
+    from pagedkv.sequences.batch import SPLICE_ROWS
+
+    rng = random.Random(9)
+    cache = PagedKvCache(KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=8, num_layers=1, dtype="bf16"), 512,
+                         HostBackend(capacity_bytes=1 << 26))
+    table = SequenceTable(cache)
+    for seq_id in range(24):
+        table.add(seq_id, [1] * rng.randrange(1, 20))
+    held = []  # every export so far, with a copy of what it was
+    paths = set()
+    for step in range(300):
+        live = table.batch_ids()
+        op = rng.random()
+        if cache.num_free_blocks() < 64:
+            for seq_id in live[: len(live) // 2]:
+                table.free(seq_id)
+            paths.add("moved")
+        elif op < 0.55:  # a few rows cross into a new block (the splice), or many (the rebuild)
+            grow = rng.sample(live, rng.choice([0, 1, 2, SPLICE_ROWS, SPLICE_ROWS + 1, len(live)]))
+            for seq_id in grow:
+                table.append(seq_id, BS)
+            paths.add("splice" if len(grow) <= SPLICE_ROWS else "rebuild")
+        elif op < 0.7:
+            table.free(rng.choice(live))  # a row moves: the rows from it on are rebuilt
+            paths.add("moved")
+        elif op < 0.85:
+            table.add(1000 + step, [2] * rng.randrange(1, 30))
+        elif op < 0.92:
+            table.truncate(rng.choice(live), 1)  # a row shrinks (rewritten)
+        elif len(live) < 40:
+            table.fork(rng.choice(live), 2000 + step)
+        page = table.page_table()
+        seqs = [table._seqs[s] for s in table.batch_ids()]
+        for kept, ref in zip(page.host, page_table_of(seqs, BS)):
+            same(kept, ref)
+        if rng.random() < 0.3:
+            again = table.page_table()  # nothing changed: the kept indices, as they are
+            assert again.host.indices is page.host.indices
+        held.append((page.host, [a.copy() for a in page.host]))
+    for arrays, copies in held:
+        for a, b in zip(arrays, copies):
+            same(a, b)  # no export was changed in place by a later one
+    assert paths == {"splice", "rebuild", "moved"}
+    table.check_invariants()

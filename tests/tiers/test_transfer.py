@@ -278,7 +278,7 @@ def test_metadata_that_does_not_describe_its_pools_is_refused(local):
                 transfer.connect(edited(md, lambda info: info["pools"].pop()))
             with pytest.raises(ValueError, match="peer_metadata lacks one of name, num_blocks"):
                 transfer.connect(edited(md, lambda info: info.pop("num_blocks")))
-            with pytest.raises(ValueError, match="layout version 1 is not 2"):
+            with pytest.raises(ValueError, match="layout version 1 is not 3"):
                 transfer.connect(edited(md, lambda info: info["layout"].update(layout_version=1)))
             assert transfer.peers() == []
             assert transfer.connect(md) == "there"
@@ -287,6 +287,23 @@ def test_metadata_that_does_not_describe_its_pools_is_refused(local):
             transfer.disconnect("there")
             assert transfer.peers() == []
     finally:
+        other.release(other_gpu)
+
+
+@needs_nixl
+def test_a_peer_with_other_fp8_scales_is_refused_naming_both_values():
+    gpu, other_gpu = HostBackend(1 << 26), HostBackend(1 << 26)
+    mine = PagedKvCache(KvCacheConfig(**MIXED), 4, gpu)  # layer 2 stores fp8
+    other = PagedKvCache(KvCacheConfig(**MIXED, k_scale=0.5), 4, other_gpu)
+    try:
+        with KvTransfer(mine, gpu, "here") as transfer, KvTransfer(other, other_gpu, "there") as peer:
+            with pytest.raises(LayoutMismatch, match=r"has another cache layout .*: k_scale: here 1\.0, peer 0\.5$"):
+                transfer.connect(peer.metadata())
+            assert transfer.peers() == []
+            with pytest.raises(LayoutMismatch, match=r"k_scale: here 0\.5, peer 1\.0$"):
+                peer.connect(transfer.metadata())
+    finally:
+        mine.release(gpu)
         other.release(other_gpu)
 
 
