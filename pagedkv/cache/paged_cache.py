@@ -20,6 +20,7 @@ from ..core.allocator import BlockAllocator, BlockReclaimer
 from ..core.config import KvCacheConfig
 from ..core.elastic_allocator import ElasticBlockAllocator
 from ..core.env import flags
+from ..core.guard import ThreadGuard, guarded_call
 from ..core.log import get_logger
 from ..core.validate import non_negative_int, positive_int
 from ..errors import KvCacheExhausted
@@ -54,6 +55,14 @@ _BOUND = (
     "num_blocks",
     "block_history",
 )
+
+
+_GUARDED_BOUND = tuple(n for n in _BOUND if n not in ("ref_count", "num_free_blocks", "num_blocks", "block_history"))
+"""The allocator's bound methods that change state: guarded while a prefix cache is attached."""
+
+_GUARDED_METHODS = ("release", "shrink", "reserve", "fill_blocks", "copy_blocks", "write_block", "write_tokens",
+                    "take_nonfinite_inputs")
+"""The cache's own methods that change state (zero/poison/init go through `fill_blocks`)."""
 
 
 def _wait_list(items, what: str) -> list:
@@ -106,6 +115,7 @@ class PagedKvCache(CacheGeometry):
         for name in _BOUND:  # the hot paths run as the allocator's bound methods
             setattr(self, name, getattr(self._allocator, name))
         self._block = self._allocator.block
+        self._guard: ThreadGuard | None = None  # the attached prefix cache's, while one is
         per_block = config.block_bytes_kv_all_layers()
         _log.info(
             "kv_cache_allocated",
@@ -145,6 +155,7 @@ class PagedKvCache(CacheGeometry):
                     _log.error("kv_prefix_cache_close_failed", error=str(err))
             if prefix_cache is not None:
                 self._allocator.detach_reclaimer(prefix_cache)
+            self._drop_guard()
             self._allocator.release()
         try:
             self._pools.release(gpu)  # waits for every stream before the first free
@@ -304,12 +315,49 @@ class PagedKvCache(CacheGeometry):
 
     def attach_prefix_cache(self, prefix_cache: BlockReclaimer) -> None:
         """Register the prefix cache that evicts for allocation; it must be a
-        `BlockReclaimer`. One per cache; `PrefixCache(cache)` calls this."""
+        `BlockReclaimer`. One per cache; `PrefixCache(cache)` calls this.
+
+        A prefix cache holding a `ThreadGuard` (`_guard`, as PrefixCache does) lends it to
+        the cache: while attached, every method that changes the cache (allocation and
+        counts, `release`, `shrink`, `reserve`, fills, copies, writes) enters that guard,
+        so a call from a second thread while another is inside the cache, its prefix cache
+        or a SequenceTable on it raises `ConcurrentUseError` with nothing changed. Reads
+        (`ref_count`, `num_free_blocks`, `read_block`, ...) are not guarded."""
         self._allocator.attach_reclaimer(prefix_cache)
+        guard = getattr(prefix_cache, "_guard", None)
+        events = getattr(prefix_cache, "_events", None)
+        if isinstance(guard, ThreadGuard) and events is not None:
+            self._take_guard(guard, events.pending, prefix_cache.deliver_events)
 
     def detach_prefix_cache(self, prefix_cache: BlockReclaimer) -> None:
-        """Undo `attach_prefix_cache` (a no-op for a prefix cache that is not attached)."""
+        """Undo `attach_prefix_cache` (a no-op for a prefix cache that is not attached);
+        the cache's methods are unguarded again."""
+        if self._allocator.reclaimer() is prefix_cache:
+            self._drop_guard()
         self._allocator.detach_reclaimer(prefix_cache)
+
+    def _take_guard(self, guard: ThreadGuard, pending, deliver) -> None:
+        """Install guarded versions of the mutating methods (instance attributes); `deliver()`
+        runs after an outermost call that left events in `pending`."""
+        self._guard = guard
+        for name in _GUARDED_BOUND:
+            setattr(self, name, guarded_call(guard, getattr(self._allocator, name), pending, deliver))
+        for name in _GUARDED_METHODS:
+            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
+
+    def _drop_guard(self) -> None:
+        """Back to the unguarded methods: the allocator's bound ones and the class's own."""
+        if self._guard is None:
+            return
+        self._guard = None
+        for name in _GUARDED_BOUND:
+            setattr(self, name, getattr(self._allocator, name))
+        for name in _GUARDED_METHODS:
+            self.__dict__.pop(name, None)
+
+    def guard(self) -> ThreadGuard | None:
+        """The ThreadGuard the cache's mutating methods enter (its prefix cache's), or None."""
+        return self._guard
 
     def attached_prefix_cache(self) -> BlockReclaimer | None:
         """The attached prefix cache, or None."""
