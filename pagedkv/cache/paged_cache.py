@@ -23,7 +23,7 @@ from ..core.env import flags
 from ..core.guard import ThreadGuard, guarded_call
 from ..core.log import get_logger
 from ..core.validate import non_negative_int, positive_int
-from ..errors import KvCacheExhausted
+from ..errors import KvCacheError, KvCacheExhausted
 from ..kv import device_path as kv_device
 from ..kv import diagnostics
 from ..kv import prefill as kv_prefill
@@ -116,6 +116,7 @@ class PagedKvCache(CacheGeometry):
             setattr(self, name, getattr(self._allocator, name))
         self._block = self._allocator.block
         self._guard: ThreadGuard | None = None  # the attached prefix cache's, while one is
+        self._holders: dict[int, str] = {}  # id(holder) -> label: what must close before release
         per_block = config.block_bytes_kv_all_layers()
         _log.info(
             "kv_cache_allocated",
@@ -141,10 +142,14 @@ class PagedKvCache(CacheGeometry):
         `gpu` (all attempted; the first error raised). `gpu` must be the backend the cache
         was built on: KvCacheError, with nothing forgotten, otherwise. Afterwards allocation
         fails. A pool whose free failed stays recorded, so a second call retries it; with
-        nothing left to free a second call does nothing."""
+        nothing left to free a second call does nothing. KvCacheError, nothing changed, while
+        a holder (`hold`: an open KvTransfer) still uses the pools."""
         if self._allocator.released() and not self._pools.pending() and self._nonfinite is None:
             return
         self._pools.check_backend(gpu)
+        if self._holders:
+            raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
+                               "uses its pools: close it first (nothing was released)")
         if not self._allocator.released():
             prefix_cache = self._allocator.reclaimer()
             close = getattr(prefix_cache, "close", None)
@@ -354,6 +359,15 @@ class PagedKvCache(CacheGeometry):
             setattr(self, name, getattr(self._allocator, name))
         for name in _GUARDED_METHODS:
             self.__dict__.pop(name, None)
+
+    def hold(self, holder: object, label: str) -> None:
+        """Record `holder` (named `label`) as using the pools: `release` is refused until
+        `let_go(holder)`."""
+        self._holders[id(holder)] = label
+
+    def let_go(self, holder: object) -> None:
+        """Undo `hold` (a no-op for a holder not recorded)."""
+        self._holders.pop(id(holder), None)
 
     def guard(self) -> ThreadGuard | None:
         """The ThreadGuard the cache's mutating methods enter (its prefix cache's), or None."""
