@@ -62,6 +62,9 @@ def raw_blob(text: bytes, nixl: bytes = b"") -> bytes:
 
 
 def test_a_good_blob_parses_and_round_trips():
+    from pagedkv.tiers.transfer import DEFAULT_MAX_PEERS
+
+    assert (tm.MAX_JSON_BYTES, tm.MAX_NIXL_BYTES, tm.MAX_DEPTH, DEFAULT_MAX_PEERS) == (1 << 20, 16 << 20, 8, 16)  # README
     _, cache = make_cache()
     info, nixl = tm.parse(blob_of(good_info(cache)))
     assert nixl == b"nixl-part" and info["nixl_bytes"] == 9 and info["nixl_digest"] == tm.digest(b"nixl-part")
