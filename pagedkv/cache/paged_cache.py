@@ -143,13 +143,24 @@ class PagedKvCache(CacheGeometry):
         was built on: KvCacheError, with nothing forgotten, otherwise. Afterwards allocation
         fails. A pool whose free failed stays recorded, so a second call retries it; with
         nothing left to free a second call does nothing. KvCacheError, nothing changed, while
-        a holder (`hold`: an open KvTransfer) still uses the pools."""
+        a holder (`hold`: an open KvTransfer) still uses the pools, or while a DLPack
+        export of a pool view (`k_view`, `v_view`) is alive in a consumer (a torch tensor, a
+        numpy array): the release is refused, not deferred."""
         if self._allocator.released() and not self._pools.pending() and self._nonfinite is None:
             return
         self._pools.check_backend(gpu)
         if self._holders:
             raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
                                "uses its pools: close it first (nothing was released)")
+        if self._views and not self._allocator.released():
+            from ..interop.dlpack import live_exports_of
+
+            exported = live_exports_of(self._exported_here)
+            if exported:
+                raise KvCacheError(
+                    f"release of {self.label()} while {exported} DLPack export(s) of its pools are alive (a "
+                    "consumer's tensor from k_view/v_view would write into freed memory): drop them first; "
+                    "nothing was released")
         if not self._allocator.released():
             prefix_cache = self._allocator.reclaimer()
             close = getattr(prefix_cache, "close", None)
@@ -540,9 +551,23 @@ class PagedKvCache(CacheGeometry):
         kept like `k_view`."""
         return self._view(layer, "V", gpu, stream, readonly)
 
+    def _exported_here(self, owner: object) -> bool:
+        """True for an export owner that is (or holds) a view of this cache."""
+        view = owner[1] if type(owner) is tuple and len(owner) == 2 else owner
+        test = getattr(view, "exported_from", None)
+        return test is not None and test(self)
+
     def _view(self, layer, side: str, gpu, stream, readonly):
         """The kept view of (side, layer, gpu, stream, readonly), made on first use. Only
-        exact ints, bools and hashable stream objects are keys (True is not layer 1)."""
+        exact ints, bools and hashable stream objects are keys (True is not layer 1).
+        KvCacheError for a released cache; the backend must be the cache's."""
+        if not self._pools.is_live():
+            raise KvCacheError(f"{side.lower()}_view of a released cache: its pools are freed")
+        try:
+            self._pools.check_backend(gpu)
+        except KvCacheError:
+            raise KvCacheError(f"{side.lower()}_view with {type(gpu).__name__} {gpu!r:.60}: the cache was built "
+                               "on another backend (a view works only on the pools' own)") from None
         key = None
         if type(layer) is int and type(readonly) is bool and type(stream) not in (bool, float):
             key = (side, layer, id(gpu), stream, readonly)

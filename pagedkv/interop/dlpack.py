@@ -198,6 +198,13 @@ def live_exports() -> int:
     return len(_LIVE)
 
 
+def live_exports_of(test) -> int:
+    """How many live exports (as `live_exports`) have an owner for which `test(owner)` is
+    true (the owner a producer gave its TensorSpec)."""
+    _sweep()
+    return sum(1 for record in list(_LIVE.values()) if test(record[1][2]))
+
+
 def _release(address: int) -> None:
     _LIVE.pop(address, None)
 

@@ -118,7 +118,7 @@ class _MemoryExport(DlpackProducer):
             memory = self._gpu.view(base, self._extent())  # raises once the memory is freed
             return TensorSpec(
                 memory.__array_interface__["data"][0], layout.offset, (KDL_CPU, 0),
-                layout.shape, strides, layout.dtype, self._readonly, owner=memory,
+                layout.shape, strides, layout.dtype, self._readonly, owner=(memory, self),
             )
         return TensorSpec(int(base), layout.offset, self._device(), layout.shape, strides, layout.dtype,
                           self._readonly, owner=self)
@@ -316,8 +316,15 @@ class PoolView(_MemoryExport):
                        (stride, block_size * head_dim * size, head_dim * size, size))
 
     def __repr__(self) -> str:
-        return (f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, "
-                f"{self.dtype}{list(self.shape)})")
+        try:
+            what = f"{self.dtype}{list(self.shape)}"
+        except Exception:  # noqa: BLE001 - a repr never raises (the cache may be released)
+            what = "of a released cache"
+        return f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, {what})"
+
+    def exported_from(self, cache: Any) -> bool:
+        """True when this view is of `cache`'s pools."""
+        return self._cache is cache
 
 
 class DeviceArrayPtr(DevicePtr, _MemoryExport):
