@@ -26,23 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..backends.capabilities import BackendFeatureMissing, backend_supports, device_kind, require
 from ..backends.protocol import DevicePtr
 from ..core.dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
 from ..core.streams import stream_handle
+from ..core.lazy_dtypes import DtypeTable
 from .dlpack import KDL_CPU, KDL_CUDA, STREAM_LEGACY, CapsuleTemplate, DlpackProducer, TensorSpec, prepared_export
 
-NUMPY_DTYPES = {
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-}
+NUMPY_DTYPES = DtypeTable(
+    {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)},
+    {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn"},
+)
 """The numpy (ml_dtypes) dtype of each DLPack dtype name a view can carry."""
 
 CAI_TYPESTRS = {"uint8": "|u1", "uint16": "<u2", "int32": "<i4", "int64": "<i8"}
