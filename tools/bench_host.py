@@ -7,7 +7,11 @@ measured beside its baseline in one run (best of several repeats) and printed as
   `alloc_block`/`free_block` pairs (printed);
 - `PrefixCache.match` of a 4,096-token prompt that fully hits (block 16) vs the bare walk
   (slice, tuple, dict lookup per block) any exact-token tree must do;
-- a decode step of 256 sequences appending one token each (`SequenceTable.append`).
+- a decode step of 256 sequences appending one token each (`SequenceTable.append`);
+- the cache's guard (issue 21): with a prefix cache attached, the cache's mutating methods
+  enter its ThreadGuard. A decode step (256 appends, allocating at block boundaries) with the
+  guard vs the same cache with it dropped (ceiling GUARD_CEILING), and a direct
+  alloc_block+free_block pair from engine code, guarded vs not (printed: a second frame).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ Python allocator can reach: `_NoChecks` itself measured 4.1x and 3.0x in issue 2
 bare pair), so they asked for less than the interpreter's own cost. Both are still printed; the bounds checked are against `_NoChecks`, which
 prices exactly what the checks (index and type validation, the count-0 and prefix-cache guards,
 the tracer hook) cost."""
+GUARD_CEILING = 1.05
+"""A decode step through SequenceTable with the cache's guard may cost at most this many
+unguarded ones (issue 21, item 7): the table already holds the guard, so its allocations
+re-enter it."""
 BATCH_CEILING = 1.5
 """alloc_blocks(64)+free_blocks may cost at most this many times `_NoChecks`' batch, per block."""
 
@@ -257,6 +265,69 @@ def _decode(steps: int, repeats: int) -> None:
     del gpu
 
 
+def _guard(steps: int, pairs: int, repeats: int) -> None:
+    num_seqs, block_size, prompt_len = 256, 16, 100
+    size = num_seqs * (prompt_len + steps * repeats + 2 * block_size) // block_size + 16
+
+    def table_of(guarded: bool):
+        cache = _cache(size, block_size)
+        prefix = PrefixCache(cache)
+        if not guarded:
+            cache._drop_guard()  # the same cache and prefix cache, its methods unguarded
+        table = SequenceTable(cache, prefix)
+        for seq in range(num_seqs):
+            table.add(seq, [seq] * prompt_len)
+        return cache, table
+
+    seq_ids = list(range(num_seqs))
+
+    def step_loop(table):
+        def run():
+            append = table.append
+            for _ in range(steps):
+                for seq in seq_ids:
+                    append(seq)
+        return run
+
+    (c_on, t_on), (c_off, t_off) = table_of(True), table_of(False)
+    assert c_on.guard() is not None and c_off.guard() is None
+    on, off = step_loop(t_on), step_loop(t_off)
+    t_guard = t_plain = float("inf")
+    for _ in range(repeats):  # interleaved: both see the same machine
+        t_guard = min(t_guard, best_of(on, 1))
+        t_plain = min(t_plain, best_of(off, 1))
+    t_on.check_invariants()
+    t_off.check_invariants()
+
+    def pair(cache):
+        def run():
+            alloc, free = cache.alloc_block, cache.free_block
+            for _ in range(pairs):
+                free(alloc())
+        return run
+
+    p_on, p_off = pair(_cache_with_prefix(True)), pair(_cache_with_prefix(False))
+    ns_on = ns_off = float("inf")
+    for _ in range(repeats):
+        ns_on = min(ns_on, best_of(p_on, 1) / pairs * 1e9)
+        ns_off = min(ns_off, best_of(p_off, 1) / pairs * 1e9)
+    print(
+        f"guard: decode step, 256 x append(1), prefix cache attached: guarded {t_guard / steps * 1e6:8.1f} us/step   "
+        f"unguarded {t_plain / steps * 1e6:8.1f} us/step   ratio {t_guard / t_plain:5.3f}x\n"
+        f"  direct alloc_block+free_block pair from engine code: guarded {ns_on:6.1f} ns   unguarded {ns_off:6.1f} ns   "
+        f"ratio {ns_on / ns_off:4.2f}x (a second Python frame per call; no bound)"
+    )
+    ceiling("decode step with the cache's guard / without", t_guard / t_plain, GUARD_CEILING)
+
+
+def _cache_with_prefix(guarded: bool) -> PagedKvCache:
+    cache = _cache(1024)
+    PrefixCache(cache)
+    if not guarded:
+        cache._drop_guard()
+    return cache
+
+
 def run(args) -> None:
     """Print the four host measurements; `args.quick` runs fewer repetitions."""
     quick = getattr(args, "quick", False)
@@ -265,3 +336,4 @@ def run(args) -> None:
     _batch(100 if quick else 1_000, repeats)
     _match(20 if quick else 200, repeats)
     _decode(16 if quick else 64, repeats)
+    _guard(16 if quick else 64, 20_000 if quick else 200_000, repeats)

@@ -20,9 +20,10 @@ from ..core.allocator import BlockAllocator, BlockReclaimer
 from ..core.config import KvCacheConfig
 from ..core.elastic_allocator import ElasticBlockAllocator
 from ..core.env import flags
+from ..core.guard import ThreadGuard, guarded_call
 from ..core.log import get_logger
 from ..core.validate import non_negative_int, positive_int
-from ..errors import KvCacheExhausted
+from ..errors import KvCacheError, KvCacheExhausted
 from ..kv import device_path as kv_device
 from ..kv import diagnostics
 from ..kv import prefill as kv_prefill
@@ -54,6 +55,14 @@ _BOUND = (
     "num_blocks",
     "block_history",
 )
+
+
+_GUARDED_BOUND = tuple(n for n in _BOUND if n not in ("ref_count", "num_free_blocks", "num_blocks", "block_history"))
+"""The allocator's bound methods that change state: guarded while a prefix cache is attached."""
+
+_GUARDED_METHODS = ("release", "shrink", "reserve", "fill_blocks", "copy_blocks", "write_block", "write_tokens",
+                    "take_nonfinite_inputs")
+"""The cache's own methods that change state (zero/poison/init go through `fill_blocks`)."""
 
 
 def _wait_list(items, what: str) -> list:
@@ -106,6 +115,8 @@ class PagedKvCache(CacheGeometry):
         for name in _BOUND:  # the hot paths run as the allocator's bound methods
             setattr(self, name, getattr(self._allocator, name))
         self._block = self._allocator.block
+        self._guard: ThreadGuard | None = None  # the attached prefix cache's, while one is
+        self._holders: dict[int, str] = {}  # id(holder) -> label: what must close before release
         per_block = config.block_bytes_kv_all_layers()
         _log.info(
             "kv_cache_allocated",
@@ -131,10 +142,25 @@ class PagedKvCache(CacheGeometry):
         `gpu` (all attempted; the first error raised). `gpu` must be the backend the cache
         was built on: KvCacheError, with nothing forgotten, otherwise. Afterwards allocation
         fails. A pool whose free failed stays recorded, so a second call retries it; with
-        nothing left to free a second call does nothing."""
+        nothing left to free a second call does nothing. KvCacheError, nothing changed, while
+        a holder (`hold`: an open KvTransfer) still uses the pools, or while a DLPack
+        export of a pool view (`k_view`, `v_view`) is alive in a consumer (a torch tensor, a
+        numpy array): the release is refused, not deferred."""
         if self._allocator.released() and not self._pools.pending() and self._nonfinite is None:
             return
         self._pools.check_backend(gpu)
+        if self._holders:
+            raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
+                               "uses its pools: close it first (nothing was released)")
+        if self._views and not self._allocator.released():
+            from ..interop.dlpack import live_exports_of
+
+            exported = live_exports_of(self._exported_here)
+            if exported:
+                raise KvCacheError(
+                    f"release of {self.label()} while {exported} DLPack export(s) of its pools are alive (a "
+                    "consumer's tensor from k_view/v_view would write into freed memory): drop them first; "
+                    "nothing was released")
         if not self._allocator.released():
             prefix_cache = self._allocator.reclaimer()
             close = getattr(prefix_cache, "close", None)
@@ -145,6 +171,7 @@ class PagedKvCache(CacheGeometry):
                     _log.error("kv_prefix_cache_close_failed", error=str(err))
             if prefix_cache is not None:
                 self._allocator.detach_reclaimer(prefix_cache)
+            self._drop_guard()
             self._allocator.release()
         try:
             self._pools.release(gpu)  # waits for every stream before the first free
@@ -309,12 +336,58 @@ class PagedKvCache(CacheGeometry):
 
     def attach_prefix_cache(self, prefix_cache: BlockReclaimer) -> None:
         """Register the prefix cache that evicts for allocation; it must be a
-        `BlockReclaimer`. One per cache; `PrefixCache(cache)` calls this."""
+        `BlockReclaimer`. One per cache; `PrefixCache(cache)` calls this.
+
+        A prefix cache holding a `ThreadGuard` (`_guard`, as PrefixCache does) lends it to
+        the cache: while attached, every method that changes the cache (allocation and
+        counts, `release`, `shrink`, `reserve`, fills, copies, writes) enters that guard,
+        so a call from a second thread while another is inside the cache, its prefix cache
+        or a SequenceTable on it raises `ConcurrentUseError` with nothing changed. Reads
+        (`ref_count`, `num_free_blocks`, `read_block`, ...) are not guarded."""
         self._allocator.attach_reclaimer(prefix_cache)
+        guard = getattr(prefix_cache, "_guard", None)
+        events = getattr(prefix_cache, "_events", None)
+        if isinstance(guard, ThreadGuard) and events is not None:
+            self._take_guard(guard, events.pending, prefix_cache.deliver_events)
 
     def detach_prefix_cache(self, prefix_cache: BlockReclaimer) -> None:
-        """Undo `attach_prefix_cache` (a no-op for a prefix cache that is not attached)."""
+        """Undo `attach_prefix_cache` (a no-op for a prefix cache that is not attached);
+        the cache's methods are unguarded again."""
+        if self._allocator.reclaimer() is prefix_cache:
+            self._drop_guard()
         self._allocator.detach_reclaimer(prefix_cache)
+
+    def _take_guard(self, guard: ThreadGuard, pending, deliver) -> None:
+        """Install guarded versions of the mutating methods (instance attributes); `deliver()`
+        runs after an outermost call that left events in `pending`."""
+        self._guard = guard
+        for name in _GUARDED_BOUND:
+            setattr(self, name, guarded_call(guard, getattr(self._allocator, name), pending, deliver))
+        for name in _GUARDED_METHODS:
+            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
+
+    def _drop_guard(self) -> None:
+        """Back to the unguarded methods: the allocator's bound ones and the class's own."""
+        if self._guard is None:
+            return
+        self._guard = None
+        for name in _GUARDED_BOUND:
+            setattr(self, name, getattr(self._allocator, name))
+        for name in _GUARDED_METHODS:
+            self.__dict__.pop(name, None)
+
+    def hold(self, holder: object, label: str) -> None:
+        """Record `holder` (named `label`) as using the pools: `release` is refused until
+        `let_go(holder)`."""
+        self._holders[id(holder)] = label
+
+    def let_go(self, holder: object) -> None:
+        """Undo `hold` (a no-op for a holder not recorded)."""
+        self._holders.pop(id(holder), None)
+
+    def guard(self) -> ThreadGuard | None:
+        """The ThreadGuard the cache's mutating methods enter (its prefix cache's), or None."""
+        return self._guard
 
     def attached_prefix_cache(self) -> BlockReclaimer | None:
         """The attached prefix cache, or None."""
@@ -502,9 +575,23 @@ class PagedKvCache(CacheGeometry):
         kept like `k_view`."""
         return self._view(layer, "V", gpu, stream, readonly)
 
+    def _exported_here(self, owner: object) -> bool:
+        """True for an export owner that is (or holds) a view of this cache."""
+        view = owner[1] if type(owner) is tuple and len(owner) == 2 else owner
+        test = getattr(view, "exported_from", None)
+        return test is not None and test(self)
+
     def _view(self, layer, side: str, gpu, stream, readonly):
         """The kept view of (side, layer, gpu, stream, readonly), made on first use. Only
-        exact ints, bools and hashable stream objects are keys (True is not layer 1)."""
+        exact ints, bools and hashable stream objects are keys (True is not layer 1).
+        KvCacheError for a released cache; the backend must be the cache's."""
+        if not self._pools.is_live():
+            raise KvCacheError(f"{side.lower()}_view of a released cache: its pools are freed")
+        try:
+            self._pools.check_backend(gpu)
+        except KvCacheError:
+            raise KvCacheError(f"{side.lower()}_view with {type(gpu).__name__} {gpu!r:.60}: the cache was built "
+                               "on another backend (a view works only on the pools' own)") from None
         key = None
         if type(layer) is int and type(readonly) is bool and type(stream) not in (bool, float):
             key = (side, layer, id(gpu), stream, readonly)

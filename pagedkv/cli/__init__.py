@@ -3,7 +3,8 @@
 Each subcommand lives in its own module with `register(subparsers)`, which adds its parser
 and sets `func(args) -> int` (the exit status). Results go to stdout, pagedkv's events to
 stderr (`--log-level`, default warning). A bad argument is one line on stderr and exit
-status 2; a closed stdout (`pagedkv demo | head -1`) ends the command quietly.
+status 2; a closed stdout (`pagedkv demo | head -1`) ends the command quietly; an output
+that cannot be written (`> /dev/full`) is one line on stderr and exit status 1.
 
 May import: every other part: `pagedkv.testing`, `pagedkv.events`, `pagedkv.sequences`, `pagedkv.tiers`, `pagedkv.groups`,
 `pagedkv.cache`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.driver`, `pagedkv.backends`,
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             say_error(args.command, str(err))
             status = USAGE_ERROR
         guard.flush()
+        if guard.failed is not None:
+            say_error(args.command, f"cannot write the output: {guard.failed.strerror or guard.failed}")
+            return 1
         return status
     finally:
         sys.stdout = stdout

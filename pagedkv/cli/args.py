@@ -35,6 +35,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_in(low: int, high: int, why: str = ""):
+    """argparse type: a decimal integer in [low, high]; ArgumentTypeError naming the text
+    and the range (and `why`) otherwise."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low:,} to {high:,}{why}, got {text!r}")
+        return value
+
+    convert.__name__ = "integer"
+    return convert
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: a decimal integer of at least 0; ArgumentTypeError naming the text otherwise."""
     try:

@@ -20,6 +20,9 @@ class QuietClosedPipe:
     def __init__(self, stream):
         self._stream = stream
         self.reader_gone = False
+        self.failed: OSError | None = None
+        """The first error writing the output (a full disk, `> /dev/full`): the output is
+        dropped from then on and the command line reports it on stderr (exit status 1)."""
 
     def write(self, text: str) -> int:
         """Write `text` unless the reader has gone; returns its length either way."""
@@ -27,6 +30,9 @@ class QuietClosedPipe:
             try:
                 self._stream.write(text)
             except BrokenPipeError:
+                self._drop_output()
+            except OSError as err:
+                self.failed = err
                 self._drop_output()
         return len(text)
 
@@ -36,6 +42,9 @@ class QuietClosedPipe:
             try:
                 self._stream.flush()
             except BrokenPipeError:
+                self._drop_output()
+            except OSError as err:
+                self.failed = err
                 self._drop_output()
 
     def __getattr__(self, name: str):

@@ -15,7 +15,6 @@ import logging
 import time
 from typing import Callable, Iterator
 
-import ml_dtypes
 import numpy as np
 import structlog
 
@@ -24,6 +23,7 @@ from ..backends.host import HostBackend, bf16_bytes_to_float64
 from ..backends.protocol import GpuBackend
 from ..cache.paged_cache import POISON_BYTE, PagedKvCache
 from ..core.config import KvCacheConfig
+from ..core.lazy_dtypes import ml
 from ..core.teardown import Teardown
 from ..errors import DeviceOutOfMemory, PagedKvError
 from ..sequences.prefix_cache import PrefixCache
@@ -106,7 +106,7 @@ def _captured_events() -> Iterator[list[dict]]:
 
 
 def _bf16_block(rng: np.random.Generator, nbytes: int) -> np.ndarray:
-    values = rng.standard_normal(nbytes // 2).astype(ml_dtypes.bfloat16)
+    values = rng.standard_normal(nbytes // 2).astype(ml().bfloat16)
     return values.view(np.uint8)
 
 
@@ -190,7 +190,7 @@ def _sequences(gpu: GpuBackend, stream: int, checks: Checks) -> None:
         slots = table.slot_mapping([seq_id]).host
         written = {}
         for layer in range(config.num_layers):
-            k = rng.standard_normal((slots.size, 4, 64)).astype(ml_dtypes.bfloat16)
+            k = rng.standard_normal((slots.size, 4, 64)).astype(ml().bfloat16)
             cache.write_tokens(layer, slots, k, k, gpu, stream)
             written[layer] = k.astype(np.float32)
         return written

@@ -21,6 +21,10 @@ _UNITS = {
 }
 
 
+MAX_MEMORY = 1 << 60
+"""The largest --memory `pagedkv plan` takes (1 EiB): past it the figures mean nothing."""
+
+
 def parse_bytes(text: str) -> int:
     """`40GiB`, `512MiB`, `1.5TB`, `40G` (binary), `1000` -> bytes, computed exactly and
     rounded down to a whole byte; ValueError on anything else or on less than one byte."""
@@ -31,6 +35,8 @@ def parse_bytes(text: str) -> int:
     nbytes = int(Fraction(match.group(1)) * _UNITS[unit])
     if nbytes < 1:
         raise ValueError(f"not a memory size: {text!r} is less than one byte")
+    if nbytes > MAX_MEMORY:
+        raise ValueError(f"not a memory size: {text!r} is over 1 EiB (2**60 bytes), more than any machine holds")
     return nbytes
 
 
@@ -228,5 +234,6 @@ def register(subparsers) -> None:
 
 
 def _checked_names(text: str) -> str:
-    parse_dtypes([text])
+    if not parse_dtypes([text]):
+        raise ValueError(f"no format named in {text!r} (give names such as bf16,fp8)")
     return text

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import re
 
-import ml_dtypes
 import numpy as np
 
 from ..core.config import KvCacheConfig
+from ..core.lazy_dtypes import ml
 from ..core.layer_groups import LayerGroup
 from ..groups.layout import GroupLayout, split_budget
 
@@ -39,7 +39,7 @@ def parse_state(text: str) -> tuple:
         if match is None:
             raise ValueError(f"not a SHAPE:DTYPE item: {item!r} (example: 4x8192:bfloat16)")
         name = match.group(2)
-        dtype = np.dtype(ml_dtypes.bfloat16) if name in ("bf16", "bfloat16") else np.dtype(name)
+        dtype = np.dtype(ml().bfloat16) if name in ("bf16", "bfloat16") else np.dtype(name)
         specs.append((tuple(int(d) for d in match.group(1).split("x")), dtype))
     return tuple(specs)
 

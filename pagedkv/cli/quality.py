@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 
 from ..kv.quality import describe, format_table, format_tier_table, quality_table, tier_table
-from .args import UsageError, non_negative_int, positive_int
+from .args import UsageError, int_in, non_negative_int, positive_int
+
+MAX_ELEMENTS = 1 << 22
+"""tokens x heads x head_dim may be at most this (8x the default): the table keeps every
+format's decoded copy in memory (about 110 bytes per element; 100,000 tokens of the default
+shape took 11 GB and 750 s)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -13,6 +18,11 @@ def run(args: argparse.Namespace) -> int:
     formats cannot store."""
     if args.head_dim % 16:
         raise UsageError(f"--head-dim {args.head_dim} is not a multiple of 16 (the grouped formats need it)")
+    elements = args.tokens * args.heads * args.head_dim
+    if elements > MAX_ELEMENTS:
+        raise UsageError(f"--tokens {args.tokens} x --heads {args.heads} x --head-dim {args.head_dim} is "
+                         f"{elements:,} values, over the bound of {MAX_ELEMENTS:,} (every format's copy is kept "
+                         "in memory); use fewer tokens")
     print(describe(args.tokens, args.heads, args.head_dim, args.seed))
     if args.tier:
         print("the error a tier format adds: device values through HostTier(format=tier) and back, against the "
@@ -28,7 +38,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("quality", help="bits per element and accuracy of every format",
                                    description="Bits per element and accuracy of every storage format on seeded "
                                                "synthetic KV shaped like a real model's.")
-    parser.add_argument("--tokens", type=positive_int, default=512, help="tokens of synthetic KV (default 512)")
+    parser.add_argument("--tokens", type=int_in(2, MAX_ELEMENTS, " (attention over one token has nothing to compare)"),
+                        default=512, help="tokens of synthetic KV, at least 2 (default 512)")
     parser.add_argument("--heads", type=positive_int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-dim", type=positive_int, default=128, help="head size, a multiple of 16 (default 128)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
+
+from ..core.lazy_dtypes import ml
 
 E4M3_MAX = np.float32(448.0)
 """The largest finite OCP FP8 E4M3 value; encoding saturates to +-E4M3_MAX."""
@@ -12,17 +13,17 @@ E4M3_MAX = np.float32(448.0)
 def e4m3_encode(x: np.ndarray) -> np.ndarray:
     """uint8 E4M3 bytes of float32 `x`: clamped to +-448, then rounded to nearest even."""
     clamped = np.clip(np.asarray(x, dtype=np.float32), -E4M3_MAX, E4M3_MAX)
-    return clamped.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return clamped.astype(ml().float8_e4m3fn).view(np.uint8)
 
 
 def e4m3_decode(raw: np.ndarray) -> np.ndarray:
     """float32 values of uint8 E4M3 bytes (0x7F and 0xFF decode to NaN)."""
-    return np.asarray(raw, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.asarray(raw, dtype=np.uint8).view(ml().float8_e4m3fn).astype(np.float32)
 
 
 def bf16_encode(x: np.ndarray) -> np.ndarray:
     """uint16 bit patterns of float32 `x` rounded to nearest-even BF16 (store little-endian)."""
-    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return np.asarray(x, dtype=np.float32).astype(ml().bfloat16).view(np.uint16)
 
 
 def bf16_decode(bits: np.ndarray) -> np.ndarray:

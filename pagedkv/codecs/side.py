@@ -7,10 +7,10 @@ are rotated per head vector (head_dim 128, 256, 512) before encoding.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from ..core.dtype import GROUP_SIZE, SIDE_FORMATS, KvCacheDtype, side_bytes, side_data_bytes
+from ..core.lazy_dtypes import ml
 from . import groups
 from .codebooks import turbo_codebook
 from .floats import bf16_decode, bf16_encode, e4m3_decode, e4m3_encode
@@ -57,7 +57,7 @@ def as_float32_values(values, what: str = "values", check_finite: bool = True) -
     a NaN/inf."""
     if not isinstance(values, np.ndarray):
         raise TypeError(f"{what} must be a numpy array, got {type(values).__name__}")
-    if values.dtype not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+    if values.dtype not in (np.dtype(np.float32), np.dtype(ml().bfloat16)):
         raise TypeError(f"{what} must be float32 or bfloat16, got dtype {values.dtype}")
     if values.ndim != 3:
         raise ValueError(f"{what} must be shaped [tokens, num_kv_heads, head_dim], got shape {values.shape}")

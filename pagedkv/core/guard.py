@@ -27,13 +27,14 @@ class ThreadGuard:
     The claim is one atomic `list.pop()` of `token` (a list holding one item while the
     guard is free), cheaper than a lock; `owner` is the thread inside and `depth` how deep."""
 
-    __slots__ = ("token", "owner", "depth", "name")
+    __slots__ = ("token", "owner", "depth", "name", "lent")
 
     def __init__(self, name: str):
         self.token = [True]
         self.owner: int | None = None
         self.depth = 0
         self.name = name
+        self.lent = False  # True while the outermost entry is a guarded cache call (`guarded_call`)
 
     def enter(self) -> None:
         """Claim the guard for this thread, or raise ConcurrentUseError naming the owner."""
@@ -62,6 +63,12 @@ class ThreadGuard:
         """True while some thread is inside."""
         return not self.token
 
+    def only_lent(self) -> bool:
+        """True while the only entry is one `guarded_call` (a PagedKvCache method called from
+        outside its prefix cache and tables): events may be delivered from within it, as
+        nothing further out will deliver them."""
+        return self.lent and self.depth == 1
+
     def busy(self) -> ConcurrentUseError:
         """The error for a refused entry."""
         return ConcurrentUseError(
@@ -87,3 +94,42 @@ def guarded(method):
         return result
 
     return run
+
+
+def guarded_call(guard: ThreadGuard, fn, pending=None, deliver=None):
+    """`fn` wrapped to run with `guard` entered: ConcurrentUseError, nothing changed, when
+    another thread is inside; the thread inside re-enters. When `pending` (a queue of
+    events) is not empty once the outermost entry has exited, `deliver()` runs. The claim
+    is inline (one `list.pop()`), as `SequenceTable.append` takes it: a wrapped allocator
+    call costs a second Python frame."""
+    token = guard.token
+    get_ident = threading.get_ident
+
+    def call(*args):
+        try:
+            token.pop()
+        except IndexError:
+            if guard.owner != get_ident():  # only the thread inside ever sets its own id here
+                raise guard.busy() from None
+            guard.depth += 1  # this thread re-entering
+            try:
+                return fn(*args)
+            finally:
+                guard.depth -= 1
+        guard.owner = get_ident()  # a full claim: the call may come back in (an eviction)
+        guard.depth = 1
+        guard.lent = True
+        try:
+            result = fn(*args)
+        finally:
+            guard.lent = False
+            guard.depth = 0
+            guard.owner = None
+            token.append(True)
+        if pending:
+            deliver()
+        return result
+
+    call.__wrapped__ = fn
+    call.__doc__ = getattr(fn, "__doc__", None)
+    return call

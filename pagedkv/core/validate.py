@@ -157,3 +157,14 @@ def block_list(blocks: object, num_blocks: int, what: str = "blocks") -> list[in
     if out and (set(map(type, out)) != {int} or min(out) < 0 or max(out) >= num_blocks):
         out = [block_index(b, num_blocks) for b in out]
     return out
+
+
+def seconds(value: object, what: str = "timeout", allow_none: bool = False) -> float | None:
+    """`value` as a finite number of seconds >= 0 (or None when `allow_none`); ValueError
+    naming `what` and the value otherwise (NaN, infinities and bools included)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"{what} must be a finite number of seconds >= 0{extra}, got {value!r}")
+    return float(value)

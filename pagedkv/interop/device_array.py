@@ -10,16 +10,12 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from ..core.lazy_dtypes import DtypeTable
 from .dlpack import DLManagedTensor, DLManagedTensorVersioned
 
-DEVICE_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int64": np.dtype(np.int64),
-}
+DEVICE_DTYPES = DtypeTable({"float32": np.dtype(np.float32), "int64": np.dtype(np.int64)}, {"bfloat16": "bfloat16"})
 """The element types a DeviceArray may hold, by name."""
 
 _DLPACK_DTYPES = {(2, 32): "float32", (4, 16): "bfloat16", (0, 64): "int64"}

@@ -184,7 +184,7 @@ def _sweep() -> None:
     under its own name (a consumer renames what it takes, "used_dltensor"), is dead."""
     global _sweep_at
     dead = [
-        address for address, record in list(_LIVE.items())  # a snapshot: a deleter may run on another thread
+        address for address, record in _LIVE.copy().items()  # a snapshot (one C call): a deleter may run meanwhile
         if _getrefcount(record[2]) <= _ALONE and _capsule_valid(record[2], record[3])
     ]
     for address in dead:
@@ -196,6 +196,13 @@ def live_exports() -> int:
     """How many exported tensors are still held by a consumer or an unconsumed capsule."""
     _sweep()
     return len(_LIVE)
+
+
+def live_exports_of(test) -> int:
+    """How many live exports (as `live_exports`) have an owner for which `test(owner)` is
+    true (the owner a producer gave its TensorSpec)."""
+    _sweep()
+    return sum(1 for record in _LIVE.copy().values() if test(record[1][2]))
 
 
 def _release(address: int) -> None:

@@ -27,24 +27,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..backends.capabilities import BackendFeatureMissing, backend_supports, device_kind, require
 from ..backends.protocol import DevicePtr
 from ..core.dtype import KvCacheDtype, side_bytes, side_data_bytes, side_scale_bytes
 from ..core.streams import stream_handle
+from ..core.lazy_dtypes import DtypeTable
 from .dlpack import (KDL_CPU, KDL_CUDA, STREAM_LEGACY, _VERSIONS, CapsuleTemplate, DlpackProducer, TensorSpec,
                      prepared_export)
 
-NUMPY_DTYPES = {
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-}
+NUMPY_DTYPES = DtypeTable(
+    {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)},
+    {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn"},
+)
 """The numpy (ml_dtypes) dtype of each DLPack dtype name a view can carry."""
 
 CAI_TYPESTRS = {"uint8": "|u1", "uint16": "<u2", "int32": "<i4", "int64": "<i8"}
@@ -120,7 +116,7 @@ class _MemoryExport(DlpackProducer):
             memory = self._gpu.view(base, self._extent())  # raises once the memory is freed
             return TensorSpec(
                 memory.__array_interface__["data"][0], layout.offset, (KDL_CPU, 0),
-                layout.shape, strides, layout.dtype, self._readonly, owner=memory,
+                layout.shape, strides, layout.dtype, self._readonly, owner=(memory, self),
             )
         return TensorSpec(int(base), layout.offset, self._device(), layout.shape, strides, layout.dtype,
                           self._readonly, owner=self)
@@ -330,8 +326,15 @@ class PoolView(_MemoryExport):
                        (stride, block_size * head_dim * size, head_dim * size, size))
 
     def __repr__(self) -> str:
-        return (f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, "
-                f"{self.dtype}{list(self.shape)})")
+        try:
+            what = f"{self.dtype}{list(self.shape)}"
+        except Exception:  # noqa: BLE001 - a repr never raises (the cache may be released)
+            what = "of a released cache"
+        return f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, {what})"
+
+    def exported_from(self, cache: Any) -> bool:
+        """True when this view is of `cache`'s pools."""
+        return self._cache is cache
 
 
 class DeviceArrayPtr(DevicePtr, _MemoryExport):

@@ -125,11 +125,12 @@ class EventQueue:
 
     def deliver(self) -> None:
         """Hand queued events to the consumer, oldest first. Does nothing while this thread
-        is inside a guarded call (that call delivers when done), or while a delivery is
+        is inside a guarded call (that call delivers when done; a lone PagedKvCache call
+        delivers from within, as the allocator's own delivery expects), or while a delivery is
         already running (it goes on to the new events). If the consumer raises, the raising
         event is consumed and later ones stay queued."""
         events = self.pending
-        if not events or self._delivering or self._guard.inside():
+        if not events or self._delivering or (self._guard.inside() and not self._guard.only_lent()):
             return
         guard = self._guard
         guard.enter()

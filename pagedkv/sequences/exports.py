@@ -227,10 +227,13 @@ class SequenceExports:
     table's device copy uploads only the rows changed since its previous upload."""
 
     def _seq_list(self, seq_ids: Iterable[Hashable]) -> list[Any]:
-        """The live sequences of `seq_ids`, each at most once; TypeError for a str or a
-        non-iterable, ValueError naming a repeated id, KeyError naming an unknown one."""
+        """The live sequences of `seq_ids`, each at most once; TypeError for a str, a
+        non-iterable or an unordered collection (a set: its order is undefined), ValueError naming a repeated id, KeyError naming an unknown one."""
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
             raise TypeError(f"seq_ids must be an iterable of sequence ids, got {seq_ids!r:.60}")
+        if isinstance(seq_ids, (set, frozenset, dict)) or type(seq_ids).__name__ in ("dict_keys", "dict_values"):
+            raise TypeError(f"seq_ids must be ordered (a list or tuple: its order is the rows' order), "
+                            f"got a {type(seq_ids).__name__}")
         ids = list(seq_ids)
         live = self._seqs
         try:

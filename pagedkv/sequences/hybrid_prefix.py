@@ -341,6 +341,7 @@ class HybridPrefixCache:
         keeps it (the new id is not cached). The cache takes its own reference on each entry
         it caches; the caller keeps its own. Returns how many entries were cached."""
         self._check_open("store")
+        adapter_id = adapter_id_checked(adapter_id)
         ends = [pos for pairs in group_entries.values() for pos, _ in pairs]
         if not ends:
             return 0

@@ -173,6 +173,7 @@ class PrefixCache(RetentionApi):
         if host_tier is not None:
             self._tiering = HostTiering(host_tier, swap_stream, self._tree, self._policy, cache, self._events,
                                         self._counters)
+            host_tier.attach_owner(self._guard)  # its cached host blocks are freed from within this cache only
         self._disk: DiskTiering | None = None
         if disk_tier is not None:
             self._disk = self._tiering.disk = DiskTiering(disk_tier, self._tiering, self._tree, self._events,
@@ -496,8 +497,10 @@ class PrefixCache(RetentionApi):
         return None if self._tiering is None else self._tiering.tier
 
     def num_host_blocks(self) -> int:
-        """How many blocks the cache holds in the host tier."""
-        return 0 if self._tiering is None else len(self._tiering.by_host)
+        """How many blocks the cache holds in the host tier (0 once the tier was released:
+        the next call forgets them)."""
+        tiering = self._tiering
+        return 0 if tiering is None or not tiering.tier.is_live() else len(tiering.by_host)
 
     def disk_tier(self) -> "DiskTier | None":
         """The disk tier below the host tier, or None. Closing the disk tier before the
@@ -540,6 +543,8 @@ class PrefixCache(RetentionApi):
             try:
                 self._clear_checked(wipe_disk=False)
             finally:
+                if self._tiering is not None:
+                    self._tiering.tier.detach_owner(self._guard)
                 self._cache.detach_prefix_cache(self)
 
     # -- introspection -----------------------------------------------------------------

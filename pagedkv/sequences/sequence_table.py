@@ -372,7 +372,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             self._deliver()
 
     def _grow(self, seq: _Seq, old: int, total: int, n_tokens: int) -> None:
-        bs, cache = self._bs, self._cache
+        bs, cache = self._bs, self._cache.allocator()  # the guard is held: the allocator's own calls
         have = seq.dropped + len(seq.blocks)
         if total == have * bs + 1 and not seq.maybe_shared and self._window is None:
             block = cache.alloc_block()  # a decode step crossing into a fresh block
@@ -380,7 +380,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
                 try:
                     self._init([block])
                 except BaseException:
-                    cache.free_block(block)
+                    cache.dec_ref(block)
                     raise
             seq.blocks.append(block)
             self._batch.block_appended(seq)

@@ -25,9 +25,16 @@ from .block_keys import EXTRA_MARK, BlockKeys, root_adapter, salted_root_hash
 from .hashing import HASH_START, chain_digest, int64_bytes, root_hash
 
 
+ADAPTER_ID_LIMIT = 2**64
+"""Adapter ids are below this: a root's hash, the disk index and the event wire hold one in 64 bits."""
+
+
 def adapter_id_checked(adapter_id: object) -> int:
-    """`adapter_id` if it is a non-negative int (0 = base model), else ValueError naming it."""
-    return non_negative_int(adapter_id, "adapter_id")
+    """`adapter_id` if it is an int in [0, 2**64) (0 = base model), else ValueError naming it."""
+    number = non_negative_int(adapter_id, "adapter_id")
+    if number >= ADAPTER_ID_LIMIT:
+        raise ValueError(f"adapter_id must be below 2**64 (it is hashed and stored in 64 bits), got {adapter_id!r}")
+    return number
 
 
 class Node:

@@ -19,9 +19,13 @@ LEAK_RUNS = 5
 
 def select_rules(skip: Mapping[str, str] | None = None, only: Iterable[str] | None = None) -> list[Rule]:
     """The rules to run: all, or those named in `only`; ValueError naming an unknown rule
-    in `skip` or `only`."""
+    in `skip` or `only`, or for an empty `only` (it would check nothing)."""
     known = {r.name for r in RULES}
+    if isinstance(only, (str, bytes)):
+        raise TypeError(f"only must be a list of rule names, got {only!r:.60}")
     wanted = None if only is None else list(only)
+    if wanted == []:
+        raise ValueError("only=[] selects no conformance rule: a run of nothing would report ok (give None for all)")
     for name in list(skip or {}) + (wanted or []):
         if name not in known:
             raise ValueError(f"unknown conformance rule {name!r}; known: {', '.join(sorted(known))}")

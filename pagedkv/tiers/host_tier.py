@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import threading
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -133,6 +134,7 @@ class HostTier:
                 self._codec.release(gpu)
             raise
         self._host_bases = np.array([m.address for m in self._memories], dtype=np.int64)
+        self._owner = None  # the ThreadGuard of the PrefixCache whose cached host blocks these are
         self._free: list[int] = list(range(self._num_blocks))  # a min-heap
         self._allocated = np.zeros(self._num_blocks, dtype=bool)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -214,6 +216,7 @@ class HostTier:
         `after` (the blocks stay allocated)."""
         blocks = self._host_blocks(blocks, "free")
         self._check_allocated(blocks, "free of")
+        self._check_not_owned(blocks, "free")
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"host tier free lists a block twice: {blocks}")
         reading = after is not None and not after.done()  # may raise (an event error): nothing changed yet
@@ -267,9 +270,36 @@ class HostTier:
             lru.move_to_end(block)
 
     def uncache(self, blocks: Sequence[int]) -> None:
-        """Take host blocks out of the LRU (they stay allocated)."""
-        for block in self._host_blocks(blocks, "uncache"):
+        """Take host blocks out of the LRU (they stay allocated). Refused (KvCacheError naming
+        the block, nothing changed) for a block the attached prefix cache holds, unless
+        called from within that prefix cache."""
+        blocks = self._host_blocks(blocks, "uncache")
+        self._check_not_owned(blocks, "uncache")
+        for block in blocks:
             self._lru.pop(block, None)
+
+    def attach_owner(self, guard: Any) -> None:
+        """Bind the tier to the PrefixCache whose ThreadGuard is `guard` (PrefixCache does
+        this): its cached host blocks are then freed and uncached only from within it. A
+        `release` under it is allowed: the prefix cache forgets the tier's blocks at its
+        next call."""
+        if self._owner is not None and self._owner is not guard:
+            raise KvCacheError("this host tier already serves another PrefixCache")
+        self._owner = guard
+
+    def detach_owner(self, guard: Any) -> None:
+        """Undo `attach_owner` (a no-op for another guard)."""
+        if self._owner is guard:
+            self._owner = None
+
+    def _check_not_owned(self, blocks: list[int], verb: str) -> None:
+        owner = self._owner
+        if owner is None or (owner.inside() and owner.owner == threading.get_ident()):
+            return
+        held = next((b for b in blocks if b in self._lru), None)
+        if held is not None:
+            raise KvCacheError(f"{verb} of host block {held}: the PrefixCache holds it (cached KV); it frees "
+                               "its own host blocks (clear() or close() it), nothing was changed")
 
     def is_cached(self, block: int) -> bool:
         """True when host block `block` is in the LRU."""
@@ -418,7 +448,9 @@ class HostTier:
 
     def read_block(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(K bytes, V bytes) of host block `block` in `layer` (copies, each its side's
-        stride long; V is K's copy under `v_aliases_k`). Wait for the swap that wrote it first."""
+        stride long; V is K's copy under `v_aliases_k`). Wait for the swap that wrote it first.
+        A diagnostic read: a free host block is read too, and returns whatever bytes it last
+        held (zeros before any swap on HostBackend); `is_cached` says whether it holds KV."""
         self._check_live()
         block = index_in_range(block, self._num_blocks, "host block", f"a host tier of {self._num_blocks} blocks")
         cache = self._cache

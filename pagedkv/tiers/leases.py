@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..core.validate import seconds
 from .transfer_errors import LeaseExpired, TransferError, TransferTimeout
 
 LEASE_SLOTS = 1024
@@ -195,7 +196,9 @@ class PullHandle:
         self._error = error
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until `done()`; TransferTimeout after `timeout` seconds (still in flight)."""
+        """Block until `done()`; TransferTimeout after `timeout` seconds (still in flight).
+        ValueError for a timeout that is not a finite number >= 0 or None."""
+        timeout = seconds(timeout, "timeout", allow_none=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 1e-5
         while not self.done():

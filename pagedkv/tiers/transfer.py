@@ -22,7 +22,6 @@ does not import).
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import time
@@ -35,10 +34,13 @@ from ..backends.capabilities import backend_supports, device_kind
 from ..cache.hybrid_cache import refuse_hybrid
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
+from ..core.validate import positive_int, seconds
 from ..errors import KvCacheError
+from . import transfer_metadata
 from . import head_plan
 from . import leases as pull_leases
 from .pull_mode import PullMode, blocks_of as _blocks
+from .transfer_grants import GrantMode, GrantTable, GrantViolation, notify_prefix, parse_ticket
 from .head_plan import block_runs  # noqa: F401 - re-exported: this module's API before head_plan
 from .transfer_errors import (  # noqa: F401 - re-exported: the transfer API's errors
     LayoutMismatch,
@@ -48,6 +50,7 @@ from .transfer_errors import (  # noqa: F401 - re-exported: the transfer API's e
     TransferTimeout,
     UnknownPeer,
 )
+from .transfer_metadata import METADATA_MAGIC, BadPeerMetadata  # noqa: F401 - re-exported
 from .transfer_layout import (  # noqa: F401 - re-exported
     FORMATS_VERSION,
     LAYOUT_VERSION,
@@ -63,8 +66,19 @@ _log = get_logger("transfer")
 INSTALL_HINT = "pip install --no-deps nixl-cu13==1.5.1"
 """How to install NIXL for KvTransfer (its wheel declares torch, which its Python API never imports)."""
 
-METADATA_MAGIC = b"pagedkv-kvtransfer\x00"
-"""The first bytes of every `KvTransfer.metadata()` blob."""
+DEFAULT_MAX_PEERS = 16
+"""How many peers' NIXL connections a KvTransfer keeps loaded at once, by default. NIXL leaks
+a file descriptor per load and remove of a remote agent (upstream), so a disconnected peer's
+connection is kept and reused when it connects again; past the bound the least recently
+used disconnected one is removed, and a connect with every loaded peer connected is refused."""
+
+_LIVE_NAMES: set[str] = set()
+"""The names of this process's open KvTransfer agents: a second agent of one name is refused."""
+
+
+class PeerRefused(TransferError, PermissionError):
+    """`connect` refused a peer that the allow-list does not name or whose metadata lacks the
+    shared token's tag; nothing was loaded."""
 
 
 _NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
@@ -158,8 +172,7 @@ class TransferHandle:
         blocks and the timeout, when it is not complete after `timeout` seconds (None waits
         for ever); the transfer stays in flight and `wait` may be called again. TransferError
         if it failed."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        timeout = seconds(timeout, "timeout", allow_none=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 1e-5
         while not self.done():
@@ -176,7 +189,7 @@ class TransferHandle:
         self._request = None
 
 
-class KvTransfer(PullMode):
+class KvTransfer(PullMode, GrantMode):
     """A NIXL agent named `name` with every pool of `cache` (a PagedKvCache on `gpu`)
     registered: VRAM of `gpu.device_ordinal` on a "device:cuda" backend, DRAM on a
     "device:cpu" one (through `gpu.view` when it states "host_view", as HostBackend does:
@@ -184,15 +197,45 @@ class KvTransfer(PullMode):
     later). `backends` are the NIXL backend plugins the agent creates (UCX by default).
     Construction is all or nothing. Use one from one thread; `close()` (or a `with` block)
     deregisters (and releases open leases), and must come before the cache is released.
-    `clock` (wall-clock seconds, `time.time`) dates pull leases (pagedkv.tiers.leases)."""
+    `clock` (wall-clock seconds, `time.time`) dates pull leases (pagedkv.tiers.leases).
+
+    Trust: a connected peer can write any block of this cache and read any registered pool
+    (NIXL registers whole pools); connect only to peers trusted with the whole cache. `allow`
+    (agent names) and `token` (bytes shared out of band) restrict whom `connect` accepts:
+    with either, a peer must be named or carry the token's tag (`PeerRefused` otherwise,
+    before anything is loaded). `require_grants=True` makes every write to this cache need a
+    grant (`grant`). At most `max_peers` peers' connections are kept loaded (DEFAULT_MAX_PEERS).
+    The cache cannot be released while its KvTransfer is open. One open agent per name in a
+    process (ValueError for a second)."""
 
     def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",),
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, *, allow: Iterable[str] | None = None,
+                 token: bytes | None = None, max_peers: int = DEFAULT_MAX_PEERS, require_grants: bool = False):
         refuse_hybrid(cache, "KvTransfer")
         if not isinstance(cache, PagedKvCache):
             raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
-        if not isinstance(name, str) or not name or "\x00" in name:
-            raise ValueError(f"name must be a non-empty str without NUL, got {name!r}")
+        if not isinstance(name, str) or not name or "\x00" in name or len(name) > transfer_metadata.MAX_NAME:
+            raise ValueError(f"name must be a non-empty str without NUL of at most "
+                             f"{transfer_metadata.MAX_NAME} characters, got {name!r:.80}")
+        if name in _LIVE_NAMES:
+            raise ValueError(f"a KvTransfer named {name!r} is already open in this process: agent names must be unique")
+        if isinstance(backends, (str, bytes)) or not hasattr(backends, "__iter__"):
+            raise TypeError(f"backends must be a list of NIXL backend names, got {backends!r:.60}")
+        backends = list(backends)
+        if not backends or any(type(b) is not str or not b for b in backends):
+            raise ValueError(f"backends must be a non-empty list of NIXL backend names, got {backends!r:.60}")
+        if allow is not None:
+            if isinstance(allow, (str, bytes)) or not hasattr(allow, "__iter__"):
+                raise TypeError(f"allow must be a collection of agent names, got {allow!r:.60}")
+            allow = frozenset(allow)
+            if any(type(a) is not str or not a for a in allow):
+                raise ValueError(f"allow must hold agent names (non-empty str), got {sorted(map(repr, allow))[:4]}")
+        if token is not None and (not isinstance(token, (bytes, bytearray)) or len(token) < 16):
+            raise ValueError("token must be bytes of at least 16 (a shared secret), got "
+                             f"{type(token).__name__}{'' if not isinstance(token, (bytes, bytearray)) else f' of {len(token)}'}")
+        max_peers = positive_int(max_peers, "max_peers")
+        if type(require_grants) is not bool:
+            raise TypeError(f"require_grants must be a bool, got {require_grants!r:.40}")
         pools = cache.pools()
         try:
             pools.check_backend(gpu)
@@ -214,15 +257,25 @@ class KvTransfer(PullMode):
         self._layout = layout_of(cache)
         self._pools = self._describe_pools(cache, gpu)
         self._peers: dict[str, _Peer] = {}
+        self._loaded: dict[str, str] = {}  # peer name -> digest of the NIXL part loaded for it, LRU first
+        self._allow, self._token = allow, None if token is None else bytes(token)
+        self._max_peers, self._require_grants = max_peers, require_grants
+        self._grants = GrantTable()
         self._requests: dict[int, Any] = {}
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
         self._registered = None
         self._lease_registered = None
         self._leases = pull_leases.LeaseTable(clock)
-        config = nixl.nixl_agent_config(backends=list(backends))
-        self._agent = nixl.nixl_agent(name, config)
+        self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=[]))
         try:
+            available = list(getattr(self._agent, "plugin_list", None) or self._agent.get_plugin_list())
+            unknown = [b for b in backends if b not in available]
+            if unknown:
+                raise TransferError(f"unknown NIXL backend {', '.join(map(repr, unknown))} "
+                                    f"(this NIXL has: {', '.join(sorted(available))})")
+            for backend in backends:
+                self._agent.create_backend(backend, {})
             regions = [(p.address, self._num_blocks * p.stride, self._device_id, "") for p in self._pools]
             self._registered = self._agent.register_memory(regions, self._mem_type)
             words = [(self._leases.address(), self._leases.words.nbytes, 0, "")]
@@ -233,6 +286,8 @@ class KvTransfer(PullMode):
             self._agent = None
             self._closed = True
             raise
+        _LIVE_NAMES.add(name)
+        cache.hold(self, f"KvTransfer {name!r}")
         _log.debug("kv_transfer_ready", name=name, mem=self._mem_type, pools=len(self._pools),
                    fingerprint=fingerprint(self._layout))
 
@@ -279,56 +334,102 @@ class KvTransfer(PullMode):
             "pools": [[p.layer, p.side, p.address, p.stride] for p in self._pools],
             "leases": self._leases.address(),
         }
-        text = json.dumps(info, sort_keys=True).encode()
-        return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + self._agent.get_agent_metadata()
+        if self._require_grants:
+            info["grants"] = True
+        return transfer_metadata.encode(info, bytes(self._agent.get_agent_metadata()), self._token)
 
     def fingerprint(self) -> str:
         """The short hash of this cache's layout description (see `layout_of`)."""
         return fingerprint(self._layout)
 
     def connect(self, peer_metadata: bytes) -> str:
-        """Load a peer's `metadata()` and return its name. The layout is checked first:
-        LayoutMismatch listing every difference a transfer cannot map (formats, dims,
-        strides, block size, window, global heads, ...; see `layout_differences`) or every
-        place the peer's description contradicts itself or its pools (`layout_lies`), with
-        nothing loaded. The block layout and TP placement may differ: blocks are then split
-        or gathered by head. ValueError for a blob that is not KvTransfer metadata, for this
-        agent's own name, or for a name already connected."""
+        """Load a peer's `metadata()` and return its name. The blob is checked first, with
+        nothing loaded: BadPeerMetadata (a ValueError) naming what is wrong in a blob that is
+        not well-formed KvTransfer metadata (sizes bounded before any JSON work, nesting,
+        every field's type, the NIXL part's length and digest: a truncated blob is refused
+        and never spoils a later connect); PeerRefused for a peer the allow-list does not
+        name or without the shared token's tag; ValueError for this agent's own name or a
+        name already connected; LayoutMismatch listing every difference a transfer cannot
+        map (formats, dims, strides, block size, window, global heads, ...; see
+        `layout_differences`) or every place the peer's description contradicts itself or
+        its pools (`layout_lies`). The block layout and TP placement may differ: blocks are
+        then split or gathered by head. A peer connected before reuses its NIXL connection
+        when its NIXL part is unchanged; TransferError when `max_peers` connections are
+        loaded and every one is connected."""
         self._check_open()
-        info, nixl_md = self._parse_metadata(peer_metadata)
+        info, nixl_md = transfer_metadata.parse(peer_metadata)
         name = info["name"]
+        if self._allow is not None or self._token is not None:
+            named = self._allow is not None and name in self._allow
+            tagged = self._token is not None and transfer_metadata.check_token(info, self._token)
+            if not (named or tagged):
+                how = " or ".join(w for w, on in (("named in allow", self._allow is not None),
+                                                  ("tagged with the shared token", self._token is not None)) if on)
+                raise PeerRefused(f"peer {name!r} is not {how}: refused before anything was loaded")
         if name == self.name:
             raise ValueError(f"peer metadata names this agent itself ({name!r})")
         if name in self._peers:
             raise ValueError(f"peer {name!r} is already connected (disconnect it first)")
-        lies = layout_lies(info["layout"])
-        if lies:
-            raise LayoutMismatch(f"peer {name!r} describes a layout that contradicts itself: " + "; ".join(lies))
-        diffs = layout_differences(self._layout, info["layout"])
-        if diffs:
-            raise LayoutMismatch(
-                f"peer {name!r} has another cache layout (fingerprint {fingerprint(info['layout'])}, "
-                f"here {self.fingerprint()}): " + "; ".join(diffs)
-            )
-        pools = self._peer_pools(name, info)
         try:
-            loaded = self._agent.add_remote_agent(nixl_md)
-        except Exception as err:
-            raise TransferError(f"loading peer {name!r} failed: {type(err).__name__}: {err}") from err
-        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded != name:
-            self._agent.remove_remote_agent(loaded)
-            raise ValueError(f"peer metadata names {name!r} but its NIXL part names {loaded!r}")
-        self._peers[name] = self._make_peer(name, info, pools)
+            lies = layout_lies(info["layout"])
+            if lies:
+                raise LayoutMismatch(f"peer {name!r} describes a layout that contradicts itself: " + "; ".join(lies))
+            diffs = layout_differences(self._layout, info["layout"])
+            if diffs:
+                raise LayoutMismatch(
+                    f"peer {name!r} has another cache layout (fingerprint {fingerprint(info['layout'])}, "
+                    f"here {self.fingerprint()}): " + "; ".join(diffs)
+                )
+            pools = self._peer_pools(name, info)
+            peer = self._make_peer(name, info, pools)
+        except (LayoutMismatch, BadPeerMetadata):
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as err:
+            raise BadPeerMetadata(f"peer {name!r} metadata is inconsistent: {type(err).__name__}: {err}") from None
+        self._load(name, nixl_md, info["nixl_digest"])
+        self._peers[name] = peer
         _log.debug("kv_transfer_connected", name=self.name, peer=name, peer_blocks=info["num_blocks"])
         return name
+
+    def _load(self, name: str, nixl_md: bytes, digest: str) -> None:
+        """Make NIXL know the peer `name` by this NIXL part: reuse a connection loaded with
+        the same part, else remove a stale one, make room under `max_peers`, and load."""
+        loaded = self._loaded.pop(name, None)
+        if loaded == digest:
+            self._loaded[name] = digest  # reused: most recently used now
+            return
+        if loaded is not None:  # the peer restarted (another NIXL part): load it afresh
+            self._remove_remote(name)
+        if len(self._loaded) >= self._max_peers:
+            idle = next((n for n in self._loaded if n not in self._peers), None)
+            if idle is None:
+                raise TransferError(f"connect of peer {name!r}: {len(self._loaded)} peers are connected, the bound "
+                                    f"max_peers={self._max_peers}; disconnect one first")
+            del self._loaded[idle]
+            self._remove_remote(idle)
+        try:
+            got = self._agent.add_remote_agent(nixl_md)
+        except Exception as err:
+            self._remove_remote(name)  # whatever NIXL kept of a failed load must not block the next
+            raise TransferError(f"loading peer {name!r} failed: {type(err).__name__}: {err}") from err
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got != name:
+            self._remove_remote(got)
+            raise BadPeerMetadata(f"peer metadata names {name!r} but its NIXL part names {got!r}")
+        self._loaded[name] = digest
+
+    def _remove_remote(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as err:  # noqa: BLE001 - not loaded, or already gone: nothing to keep
+            _log.debug("kv_transfer_remove_remote", name=self.name, peer=name, error=f"{type(err).__name__}: {err}")
 
     def _peer_pools(self, name: str, info: dict) -> tuple:
         """The peer's pools, which must be the (layer, side, stride) its layout describes, in order."""
         try:
             pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
+            raise BadPeerMetadata(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
         layout = info["layout"]
         described = []
         for layer, entry in enumerate(layout["layers"]):
@@ -336,7 +437,7 @@ class KvTransfer(PullMode):
             if not layout["v_aliases_k"]:
                 described.append((layer, "V", entry["v_stride"]))
         if [(p.layer, p.side, p.stride) for p in pools] != described:
-            raise ValueError(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
+            raise BadPeerMetadata(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
         return pools
 
     def _make_peer(self, name: str, info: dict, pools: tuple) -> _Peer:
@@ -356,39 +457,22 @@ class KvTransfer(PullMode):
         return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
                      rank, size, tuple(send), tuple(pull), info)
 
-    @staticmethod
-    def _parse_metadata(blob: object) -> tuple[dict, bytes]:
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise TypeError(f"peer_metadata must be bytes from KvTransfer.metadata(), got {type(blob).__name__}")
-        blob = bytes(blob)
-        head = len(METADATA_MAGIC)
-        if not blob.startswith(METADATA_MAGIC) or len(blob) < head + 8:
-            raise ValueError(f"peer_metadata is not KvTransfer metadata (starts {blob[:24]!r})")
-        size = int.from_bytes(blob[head : head + 8], "little")
-        try:
-            info = json.loads(blob[head + 8 : head + 8 + size])
-        except ValueError as err:
-            raise ValueError(f"peer_metadata has a broken layout description: {err}") from None
-        fields = {"name": str, "num_blocks": int, "mem_type": str, "device_id": int, "layout": dict, "pools": list,
-                  "leases": int}
-        if not isinstance(info, dict) or any(not isinstance(info.get(k), t) for k, t in fields.items()):
-            raise ValueError(f"peer_metadata lacks one of {', '.join(fields)}")
-        if info["layout"].get("layout_version") != LAYOUT_VERSION:
-            raise ValueError(
-                f"peer_metadata layout version {info['layout'].get('layout_version')!r} is not {LAYOUT_VERSION}"
-            )
-        return info, blob[head + 8 + size :]
-
     def peers(self) -> list[str]:
         """The names of the connected peers."""
         return list(self._peers)
 
     def disconnect(self, peer: str) -> None:
-        """Forget a connected peer (UnknownPeer otherwise); its in-flight sends stay waitable."""
+        """Forget a connected peer (UnknownPeer otherwise); its in-flight sends stay waitable.
+        Its NIXL connection stays loaded for a later `connect` of the same peer (up to
+        `max_peers` loaded; `close` removes them)."""
         self._check_open()
         self._peer(peer)
         del self._peers[peer]
-        self._agent.remove_remote_agent(peer)
+
+    def loaded_peers(self) -> list[str]:
+        """The peers whose NIXL connections are loaded (connected or kept for reuse), least
+        recently used first; at most `max_peers`."""
+        return list(self._loaded)
 
     def _peer(self, peer: object) -> _Peer:
         found = self._peers.get(peer) if isinstance(peer, str) else None
@@ -399,7 +483,7 @@ class KvTransfer(PullMode):
 
     # -- transfers --------------------------------------------------------------------
 
-    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"") -> TransferHandle:
+    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"", grant: bytes | None = None) -> TransferHandle:
         """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
         the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
         descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
@@ -407,7 +491,13 @@ class KvTransfer(PullMode):
         to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
         either side (IndexError naming it and the side's size), a free source block, lists of
         different or zero length, a repeated destination (ValueError naming it), a notify
-        that is not bytes. Work the caller enqueued on the source blocks must be complete."""
+        that is not bytes. Work the caller enqueued on the source blocks must be complete.
+
+        `grant` is the receiver's ticket (`grant`) for these destination blocks: refused,
+        before anything is sent, when it is another receiver's or for another sender, or when
+        a destination block is not in it (ValueError naming the block); its id travels with
+        the notification, which the receiver checks. A receiver made with require_grants=True
+        (its metadata says so) refuses a send without one here."""
         self._check_open()
         info = self._peer(peer)
         src = _blocks(src_blocks, self._num_blocks, "src_blocks", "this cache")
@@ -425,6 +515,19 @@ class KvTransfer(PullMode):
             raise ValueError(f"source block {free} is free (send only blocks the cache holds)")
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        if grant is not None:
+            body = parse_ticket(grant)
+            if body["receiver"] != info.name or body["peer"] != self.name:
+                raise ValueError(f"the grant is {body['receiver']!r}'s for {body['peer']!r}, not peer "
+                                 f"{info.name!r}'s for {self.name!r}")
+            allowed = set(body["blocks"])
+            outside = next((b for b in dst if b not in allowed), None)
+            if outside is not None:
+                raise ValueError(f"destination block {outside} is not in peer {info.name!r}'s grant "
+                                 f"{body['grant']} (blocks {body['blocks'][:8]}{'...' if len(allowed) > 8 else ''})")
+            notify = notify_prefix(body["grant"]) + bytes(notify)
+        elif info.info.get("grants") is True:
+            raise ValueError(f"peer {info.name!r} requires a grant for every send: pass grant=<its grant ticket>")
         local, remote = self._descriptors(info, info.send_plans, src, dst)
         nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
         nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)
@@ -493,22 +596,30 @@ class KvTransfer(PullMode):
         A puller's completion of a lease is handled here (the lease's blocks are freed, no
         message is returned), and expired leases are released (`expire_leases`)."""
         self._check_open()
+        violations = []
         for peer, messages in self._agent.get_new_notifs().items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
             for message in map(bytes, messages):
                 if message.startswith(pull_leases.DONE_MAGIC):
                     self._lease_done(peer, message[len(pull_leases.DONE_MAGIC):])
+                    continue
+                user, why = self._granted(peer, message, self._require_grants)
+                if why is None:
+                    self._inbox.append((peer, user))
                 else:
-                    self._inbox.append((peer, message))
+                    violations.append(why)
+                    _log.warning("kv_transfer_grant_violation", name=self.name, peer=peer, why=why)
         self.expire_leases()
+        if violations:
+            raise GrantViolation("; ".join(violations) + " (the other notifications stay queued)")
         out, self._inbox = self._inbox, []
         return out
 
     def wait_notifications(self, timeout: float) -> list[tuple[str, bytes]]:
         """`notifications()` once at least one has arrived; TransferTimeout naming the
-        timeout when none arrives within `timeout` seconds."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        timeout when none arrives within `timeout` seconds (a finite number >= 0: ValueError
+        for NaN or an infinity)."""
+        timeout = seconds(timeout, "timeout")
         deadline = time.monotonic() + timeout
         pause = 1e-5
         while True:
@@ -538,7 +649,8 @@ class KvTransfer(PullMode):
         self._closed = True
         first: BaseException | None = None
         steps = [lambda r=r: self._agent.release_xfer_handle(r) for r in self._requests.values()]
-        steps += [lambda p=p: self._agent.remove_remote_agent(p) for p in self._peers]
+        steps += [lambda p=p: self._agent.remove_remote_agent(p) for p in self._loaded]
+        steps.append(self._close_grants)
         steps += [lambda i=i: self._release_lease(i, "closed") for i in self._leases.open_ids()]
         if self._registered is not None:
             steps.append(lambda: self._agent.deregister_memory(self._registered))
@@ -552,9 +664,12 @@ class KvTransfer(PullMode):
                 _log.error("kv_transfer_close_failed", name=self.name, error=f"{type(err).__name__}: {err}")
         self._requests.clear()
         self._peers.clear()
+        self._loaded.clear()
         self._registered = self._lease_registered = None
         self._agent = None
         self._views = []
+        _LIVE_NAMES.discard(self.name)
+        self._cache.let_go(self)
         if first is not None:
             raise first
 

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import pytest
 
-from pagedkv import KvCacheConfig, PagedKvCache, SequenceTable
+from pagedkv import KvCacheConfig, KvCacheError, PagedKvCache, SequenceTable
 
 from pagedkv.interop import dlpack
 from pagedkv.interop.dlpack import DLManagedTensor, DLManagedTensorVersioned
@@ -166,13 +166,21 @@ def test_a_consumed_capsule_is_left_to_its_consumer(host, caches):
     assert dlpack.live_exports() == before
 
 
-def test_host_memory_stays_alive_while_a_consumer_holds_it(host, caches):
+def test_a_release_is_refused_while_a_consumer_holds_an_export(host, caches):
     cache = caches("nvfp4")
     cache.alloc_blocks(cache.num_free_blocks())  # writes go only into held blocks
     cache.write_block(1, 3, np.full(72, 9, dtype=np.uint8), None, host)
     array = np.from_dlpack(cache.k_view(1, host))
+    with pytest.raises(KvCacheError, match=r"while 1 DLPack export\(s\) of its pools are alive"):
+        cache.release(host)  # refused, not deferred: a consumer's writes would go into freed memory
+    assert array[3].tolist() == [9] * 72 and cache.num_blocks() == 6  # nothing was released
+    array[3] = 5
+    assert (cache.read_block(1, 3, host)[0] == 5).all()  # still the cache's memory
+    del array
     cache.release(host)
-    assert array[3].tolist() == [9] * 72  # the backend freed the pool; the consumer's memory is intact
+    assert cache.num_blocks() == 0
+    with pytest.raises(KvCacheError, match="k_view of a released cache"):
+        cache.k_view(1, host)
 
 
 def test_table_exports_capsules(host, caches):

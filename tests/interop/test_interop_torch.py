@@ -37,6 +37,7 @@ def test_torch_reads_a_bf16_layer_as_bfloat16_blocks_zero_copy(host):
     cache.write_tokens(1, [4 * 4 + 0], rows, rows, host, 0)
     assert k[4, 0].float().tolist() == rows[0].tolist()
     assert torch.from_dlpack(cache.v_view(1, host))[4, 0].float().tolist() == rows[0].tolist()
+    del k  # the consumer lets go first: a release is refused while its tensor is alive
     cache.release(host)
 
 
@@ -51,6 +52,7 @@ def test_torch_reads_fp8_and_packed_views(host):
     assert scales.dtype == torch.uint8 and tuple(scales.shape) == (6, 4, 2) and scales.stride() == (56, 2, 1)
     scales[5, 3, 1] = 0x21
     assert packed.read_block(1, 5, host)[1][48 + 3 * 2 + 1] == 0x21
+    del k, scales
     fp8.release(host)
     packed.release(host)
 
@@ -108,6 +110,7 @@ def test_paged_attention_over_the_pools_equals_attention_over_what_was_written(h
     for seq_id in lengths:
         table.free(seq_id)
     table.release()
+    del k_pool, v_pool  # the consumer lets go first
     cache.release(host)
 
 
