@@ -50,7 +50,8 @@ def test_hybrid_events_carry_the_group_the_number_and_a_block_a_router_can_index
     by_group = {g: [(e.position, e.block_size) for e in stored if e.group_idx == g] for g in range(3)}
     assert by_group[0] == [(4, 4), (8, 4), (12, 4), (16, 4), (20, 4)]
     assert by_group[1] == [(16, 8)]  # the sliding group keeps the blocks of the last 8 tokens: one full
-    assert by_group[2] == [(16, 4)]  # the checkpoint at the last multiple of the match unit (8); its last unit
+    # the checkpoints at every multiple of checkpoint_every (8) the prompt reaches; their last unit
+    assert by_group[2] == [(8, 4), (16, 4)]
     for e in stored:
         start = e.position - e.block_size
         assert e.token_ids == tuple(PROMPT[start : e.position])

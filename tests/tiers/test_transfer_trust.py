@@ -24,7 +24,7 @@ from pagedkv.tiers.transfer import (
 )
 from pagedkv.tiers.transfer_errors import PagedKvError
 from pagedkv.tiers.transfer_grants import GrantViolation, notify_prefix
-from pagedkv.tiers.transfer_layout import layout_of
+from pagedkv.tiers.transfer_layout import LAYOUT_VERSION, layout_of
 
 try:
     load_nixl()
@@ -94,7 +94,7 @@ EDITS = {
     "device_id float": (edit(["device_id"], 0.5), "field device_id must be an int"),
     "leases negative": (edit(["leases"], -1), "field leases must be an int"),
     "layout list": (edit(["layout"], []), "field layout must be an object, got list"),
-    "layout version": (edit(["layout", "layout_version"], 1), "layout version 1 is not 2"),
+    "layout version": (edit(["layout", "layout_version"], 1), f"layout version 1 is not {LAYOUT_VERSION}"),
     "block_size str": (edit(["layout", "block_size"], "4"), "field layout.block_size must be an int"),
     "v_aliases_k int": (edit(["layout", "v_aliases_k"], 0), "field layout.v_aliases_k must be a bool"),
     "window str": (edit(["layout", "window"], "x"), "field layout.window must be an int"),
