@@ -83,6 +83,31 @@ class StatePools:
             raise KvCacheError("the state pools were released")
         return self._pools[i][t].offset(s * self._strides[t])
 
+    def group(self) -> LayerGroup:
+        """The state group these pools hold."""
+        return self._group
+
+    def num_tensors(self) -> int:
+        """State tensors per layer."""
+        return len(self._bytes)
+
+    def region_index(self, layer: int, tensor: int = 0) -> int:
+        """The row of `regions()` holding `layer`'s pool of state tensor `tensor`."""
+        return self._local(layer) * len(self._bytes) + self._tensor(tensor)
+
+    def pool_ptr(self, layer: int, tensor: int = 0) -> DevicePtr:
+        """Base address of `layer`'s pool of state tensor `tensor` (slot 0)."""
+        i, t = self._local(layer), self._tensor(tensor)
+        if not self._pools:
+            raise KvCacheError("the state pools were released")
+        return self._pools[i][t]
+
+    def slot_array(self, slots: Sequence[int], what: str = "state slots") -> np.ndarray:
+        """`slots` checked (each in range, the first bad one named) as an int64 array."""
+        if slots is None or isinstance(slots, (str, bytes)) or not hasattr(slots, "__iter__"):
+            raise TypeError(f"{what} must be a sequence of int slot indices, got {type(slots).__name__} {slots!r:.60}")
+        return np.asarray([self.slot(s) for s in slots], dtype=np.int64)
+
     def stride(self, tensor: int = 0) -> int:
         """Bytes between consecutive slots of state tensor `tensor`."""
         return self._strides[self._tensor(tensor)]

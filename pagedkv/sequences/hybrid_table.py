@@ -142,6 +142,16 @@ class HybridSequenceTable(SequenceQueries):
         if slots and self._gpu is not None:
             self._cache.group(g).pools().fill(slots, 0, self._gpu, self._stream)
 
+    def _init_slots(self, g: int, slots: list[int]) -> None:
+        """Fresh checkpoint slots: zeroed, or poisoned under METRALE_KV_POISON (`init_slots`)."""
+        if slots and self._gpu is not None:
+            self._cache.group(g).init_slots(slots, self._gpu, self._stream)
+
+    def _free_slots(self, g: int, slots: list[int]) -> None:
+        """Drop the table's references; slots that went free are poisoned under METRALE_KV_POISON."""
+        if slots:
+            self._cache.group(g).free_slots(slots, self._gpu, self._stream)
+
     def _get(self, seq_id: Hashable) -> _HSeq:
         seq = self._seqs.get(seq_id)
         if seq is None:
@@ -191,6 +201,7 @@ class HybridSequenceTable(SequenceQueries):
                 at = self._checkpoint_at(g, p, n, prompt=True) if prefix is not None else 0
                 if at:
                     (slot,) = undo.alloc(g, 1)
+                    self._init_slots(g, [slot])
                     seq.checkpoints[g].append((at, slot))
                     seq.step_checkpoint[g] = slot
             for g in self._states:  # last: nothing after this can fail
@@ -253,6 +264,7 @@ class HybridSequenceTable(SequenceQueries):
                     at = self._checkpoint_at(g, old, total, prompt=False)
                     if at:
                         (slot,) = undo.alloc(g, 1)
+                        self._init_slots(g, [slot])
                         new_ckpts.append((g, at, slot))
             for g, first, start, fresh, copy in plans:
                 if copy:
@@ -354,8 +366,7 @@ class HybridSequenceTable(SequenceQueries):
         for g in self._states:
             slots = [slot for _, slot in seq.checkpoints[g]]
             seq.checkpoints[g] = []
-            if slots:
-                self._cache.group(g).free_blocks(slots)
+            self._free_slots(g, slots)
 
     @guarded
     def free(self, seq_id: Hashable) -> None:
@@ -371,7 +382,7 @@ class HybridSequenceTable(SequenceQueries):
             for g in self._attn:
                 self._cache.group(g).free_blocks(seq.held[g].blocks)
             for g in self._states:
-                self._cache.group(g).free_blocks([seq.slots[g]])
+                self._free_slots(g, [seq.slots[g]])
 
     @guarded
     def cache_prefix(self, seq_id: Hashable) -> int:
