@@ -8,8 +8,8 @@ the pool with `SequenceTable.state_slots`. Slots are `StatePools.stride(tensor)`
 (the tensor's bytes rounded up to 16), elements within a slot are C-contiguous.
 `bits_view()` is the same tensor with the element bits as an unsigned int of the same
 width (numpy's `from_dlpack` refuses bfloat16). A dtype DLPack cannot carry here (bool,
-complex, ...) raises TypeError at `state_view`, pointing at `bits_view`'s bytes instead:
-there its bits view is uint8 `(num_slots, tensor_bytes)`.
+complex, ...) raises TypeError when the view is used (shape, export), pointing at
+`bits_view()`: its bytes, uint8 `(num_slots, tensor_bytes)`.
 
 The device is the backend's (kDLCPU on HostBackend, the backend's own host memory; kDLCUDA
 on CudaBackend). A view is valid while the cache is: exporting after `cache.release`
@@ -47,9 +47,6 @@ class StateView(_MemoryExport):
         pools.region_index(layer, tensor)  # IndexError naming a layer or tensor outside the group
         shape, dtype = pools.group().state[tensor]
         name = dlpack_name(dtype)
-        if name is None and not bits:
-            raise TypeError(f"state tensor {tensor} of layer {layer} is {dtype}, which a DLPack view cannot carry; "
-                            f"take state_view(...).bits_view() (its bytes, uint8)")
         self._dl_device = dlpack_device_of(gpu)
         self._pools, self._layer_index, self._tensor = pools, layer, tensor
         self._gpu, self._stream, self._readonly, self._bits = gpu, stream, readonly, bits
@@ -90,6 +87,9 @@ class StateView(_MemoryExport):
 
     def _compute_layout(self) -> _Layout:
         slots, stride = self._pools.num_slots(), self._pools.stride(self._tensor)
+        if self._name is None and not self._bits:
+            raise TypeError(f"state tensor {self._tensor} of layer {self._layer_index} is {self._state_dtype}, which a "
+                            f"DLPack view cannot carry; take its bytes with bits_view() (uint8)")
         if self._name is None:
             return _Layout(0, "uint8", (slots, self._pools.tensor_bytes(self._tensor)), (stride, 1))
         size = self._state_dtype.itemsize
