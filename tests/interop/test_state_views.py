@@ -91,3 +91,17 @@ def test_a_dtype_dlpack_cannot_carry_is_refused_pointing_at_its_bytes():
         cache.state_view(0, gpu, tensor=4)
     with pytest.raises(ValueError, match="readonly must be a bool"):
         cache.state_view(0, gpu, readonly=1)
+
+
+def test_torch_takes_bfloat16_and_float32_state_zero_copy():
+    torch = pytest.importorskip("torch", reason="torch is not installed (the interop extra)")
+    gpu = HostBackend()
+    cache = make(gpu)
+    slot = cache.group(0).alloc_block()
+    bf16 = torch.from_dlpack(cache.state_view(2, gpu))
+    assert bf16.dtype == torch.bfloat16 and tuple(bf16.shape) == (5, 4, 8) and bf16.stride() == (32, 8, 1)
+    bf16[slot] = torch.full((4, 8), 0.75, dtype=torch.bfloat16)  # the engine's recurrent kernel writes
+    np.testing.assert_array_equal(cache.read_state(2, slot, gpu), np.full((4, 8), 0.75, BF16))
+    cache.write_state(2, slot, [1.0, 2.0, 3.0], gpu, tensor=1)
+    f32 = torch.from_dlpack(cache.state_view(2, gpu, tensor=1))
+    assert f32.dtype == torch.float32 and f32.stride() == (4, 1) and f32[slot].tolist() == [1.0, 2.0, 3.0]
