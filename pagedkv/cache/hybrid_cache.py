@@ -60,6 +60,11 @@ class StateGroup:
         """The slot allocator (free list and counts)."""
         return self._allocator
 
+    def block_regions(self):
+        """The slot pools' region table (a row per layer and tensor), as a cache's
+        `block_regions()`: a `HostTier` of the group swaps slots through it."""
+        return self._pools.regions()
+
     def state_ptr(self, layer: int, slot: int, tensor: int = 0) -> DevicePtr:
         """See `StatePools.state_ptr` (`layer` a global layer index)."""
         return self._pools.state_ptr(layer, slot, tensor)
@@ -98,7 +103,7 @@ class StateGroup:
         return freed
 
 
-def _per_group(value, layout: GroupLayout, what: str, kinds: list[int], default) -> dict[int, int]:
+def per_group_counts(value, layout: GroupLayout, what: str, kinds: list[int], default) -> dict[int, int]:
     """`value` (an int for every group of `kinds`, or a sequence with one entry per group,
     None at the groups of the other kind) as {group: count}."""
     if value is None:
@@ -130,9 +135,9 @@ class HybridKvCache:
             raise ValueError("elastic=True is not supported for a cache with layer_groups")
         layout = GroupLayout(config)
         attention, states = layout.attention_groups(), layout.state_groups()
-        blocks = _per_group(num_blocks, layout, "num_blocks", attention, None)
+        blocks = per_group_counts(num_blocks, layout, "num_blocks", attention, None)
         default_slots = blocks[attention[0]]
-        slots = _per_group(num_state_slots, layout, "num_state_slots", states, default_slots)
+        slots = per_group_counts(num_state_slots, layout, "num_state_slots", states, default_slots)
         self._config = config
         self._layout = layout
         self._gpu = gpu

@@ -145,6 +145,15 @@ class StatePools:
             raise ValueError(f"state tensor {tensor} of layer {layer} has shape {shape}, got {arr.shape}")
         gpu.copy_h2d(arr.view(np.uint8).reshape(-1), self.state_ptr(layer, slot, tensor))
 
+    def check_backend(self, gpu: object) -> None:
+        """KvCacheError unless `gpu` is the backend the pools were allocated on."""
+        if gpu is not self._gpu:
+            raise KvCacheError(f"{type(gpu).__name__} {gpu!r:.60}: the state pools live on "
+                               f"{type(self._gpu).__name__} {self._gpu!r:.60}")
+
+    def check_resident(self, top: int) -> None:
+        """Every slot is backed (state pools are never elastic): nothing to check."""
+
     def release(self, gpu: GpuBackend) -> None:
         """Free the region table and every pool (every free attempted, the first error raised)."""
         if gpu is not self._gpu:

@@ -19,7 +19,7 @@ slots of a state group).
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -32,7 +32,10 @@ from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from ..groups.window import first_live_block, max_live_blocks
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
+from ..tiers.hybrid_host_tier import check_tier_of
+from . import hybrid_swap
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
+from .hybrid_swap import ParkedSequence
 from .tree import adapter_id_checked
 
 
@@ -409,6 +412,27 @@ class HybridSequenceTable(SequenceQueries):
         for g, slot in refs:
             self._cache.group(g).free_blocks([slot])
         return pairs
+
+    @guarded
+    def swap_out(self, seq_id: Hashable, tier, stream: Any = None) -> ParkedSequence:
+        """Park the sequence in `tier` (the cache's `HybridHostTier`): every group's blocks,
+        its live state slot and pending checkpoints copied in one swap on `stream` (the
+        table's by default), then released; see `pagedkv.sequences.hybrid_swap`."""
+        self._check_swap(tier)
+        return hybrid_swap.swap_out(self, seq_id, tier, self._stream if stream is None else stream)
+
+    @guarded
+    def swap_in(self, parked: ParkedSequence, stream: Any = None) -> None:
+        """Bring a parked sequence back under its id, in fresh blocks and slots of every
+        group (one swap on `stream`, the table's by default); see `hybrid_swap`."""
+        if isinstance(parked, ParkedSequence):
+            self._check_swap(parked.tier)
+        hybrid_swap.swap_in(self, parked, self._stream if stream is None else stream)
+
+    def _check_swap(self, tier) -> None:
+        check_tier_of(tier, self._cache)
+        if self._gpu is None:
+            raise KvCacheError("swap_out / swap_in need a table with a backend (SequenceTable(cache, prefix, gpu))")
 
     # -- queries ------------------------------------------------------------------------
 
