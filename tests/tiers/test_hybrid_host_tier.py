@@ -11,6 +11,7 @@ from pagedkv import (HostBackend, HostTier, HybridHostTier, KvCacheConfig, KvCac
                      PagedKvCache, PrefixCache, SequenceTable)
 from pagedkv.core.layer_groups import LayerGroup
 from pagedkv.sequences.hybrid_swap import ParkedSequence
+from kernel_harness.stub import run_on_stub
 
 STATE = (((4,), "float32"), ((2, 3), "float16"))
 
@@ -190,3 +191,64 @@ def test_swaps_need_the_caches_own_tier_and_a_table_with_a_backend():
         table.swap_out("zz", tier)
     with pytest.raises(KvCacheError, match="host and disk tiers do not support"):
         PrefixCache(cache, host_tier=tier)
+
+
+PARK_ON_STUB = '''
+from pagedkv import HostBackend, HybridHostTier, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
+from pagedkv.core.layer_groups import LayerGroup
+from pagedkv.driver import CudaBackend
+
+CONFIG = KvCacheConfig(4, 1, 16, 4, "bf16", layer_groups=(
+    LayerGroup("full", (0, 3)), LayerGroup("sliding", (1,), window=8),
+    LayerGroup("state", (2,), state=(((4,), "float32"), ((2, 3), "float16")), checkpoint_every=8)))
+
+def batches():
+    names = [launch(i)[0].name for i in range(STUB.stub_launch_count())]
+    return calls("cuMemcpyBatchAsync") + names.count(b"pagedkv_copy_batch")
+
+def run(gpu, cuda):
+    cache = PagedKvCache(CONFIG, [12, 12, None], gpu, num_state_slots=8)
+    table = SequenceTable(cache, PrefixCache(cache), gpu)
+    tier = HybridHostTier(cache, 8, gpu)
+    table.add("a", list(range(100, 113)))
+    table.append("a", token_ids=[1, 2, 3])
+    rng = np.random.default_rng(4)
+    rows = rng.standard_normal((16, 1, 16)).astype(np.float32)
+    for layer in (0, 1, 3):
+        g = cache.group_of_layer(layer)
+        held, first = table.blocks("a", g), table.first_block_position("a", g) // 4
+        slots = [held[p // 4 - first] * 4 + p % 4 if p // 4 >= first else -1 for p in range(16)]
+        cache.write_tokens(layer, slots, rows * (layer + 1), rows - layer, gpu, gpu.default_stream())
+    live, = np.asarray(table.state_slots(["a"])).tolist()
+    cache.write_state(2, live, [1.5, -2, 3, 4], gpu)
+    cache.write_state(2, live, np.full((2, 3), 0.25), gpu, tensor=1)
+    gpu.synchronize(gpu.default_stream())
+    before = batches() if cuda else 0
+    parked = table.swap_out("a", tier)
+    table.add("b", list(range(500, 516)))  # takes the freed blocks
+    table.swap_in(parked)
+    gpu.synchronize(gpu.default_stream())
+    if cuda:
+        assert batches() == before + 2, (before, batches())
+    out = []
+    for layer in (0, 1, 3):
+        g = cache.group_of_layer(layer)
+        for b in table.blocks("a", g):
+            out.append(b"".join(x.tobytes() for x in cache.group(g).read_block(cache.local_layer(layer), b, gpu)))
+    live, = np.asarray(table.state_slots(["a"])).tolist()
+    out += [cache.read_state(2, live, gpu, tensor=t).tobytes() for t in (0, 1)]
+    table.check_invariants()
+    tier.release(gpu)
+    cache.release(gpu)
+    return out
+
+host = run(HostBackend(), False)
+assert len(host) == 4 + 2 + 4 + 2 and all(part.strip(b"\\0") for part in host)  # every block and slot written
+with CudaBackend() as gpu:
+    assert run(gpu, True) == host
+print("CHECK park on stub ok")
+'''
+
+
+def test_parking_a_sequence_on_the_device_matches_host_backend(stub_env):
+    assert "CHECK park on stub ok" in run_on_stub(stub_env, PARK_ON_STUB)
