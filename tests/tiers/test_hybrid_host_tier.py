@@ -252,3 +252,16 @@ print("CHECK park on stub ok")
 
 def test_parking_a_sequence_on_the_device_matches_host_backend(stub_env):
     assert "CHECK park on stub ok" in run_on_stub(stub_env, PARK_ON_STUB)
+
+
+def test_the_readme_hybrid_state_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Hybrid caches: state slots"):readme.index("## Transfer between engines")]
+    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    gpu = namespace["gpu"]
+    assert gpu.live_allocations() == 0 and gpu.live_swap_memory() == 0
