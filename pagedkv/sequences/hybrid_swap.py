@@ -114,7 +114,7 @@ def swap_in(table, parked: ParkedSequence, stream: Any) -> None:
         renamed = dict(zip([seq.slots[g]] + [s for _, s in seq.checkpoints[g]], taken[g]))
         seq.slots[g] = renamed[seq.slots[g]]
         seq.checkpoints[g] = [(pos, renamed[s]) for pos, s in seq.checkpoints[g]]
-        if seq.step_checkpoint[g] != -1:
-            seq.step_checkpoint[g] = renamed[seq.step_checkpoint[g]]
+        # the step's checkpoint, unless cache_prefix already handed it to the prefix cache
+        seq.step_checkpoint[g] = renamed.get(seq.step_checkpoint[g], -1)
     table._seqs[parked.seq_id] = seq
     parked._live = False

@@ -265,3 +265,19 @@ def test_the_readme_hybrid_state_example_runs():
     exec(compile(example, "README.md", "exec"), namespace)
     gpu = namespace["gpu"]
     assert gpu.live_allocations() == 0 and gpu.live_swap_memory() == 0
+
+
+def test_a_checkpoint_already_cached_is_not_parked_and_the_step_has_none_after():
+    gpu, cache, prefix, table, tier = world()
+    table.add("a", [1, 2, 3, 4, 5])  # the add step's checkpoint at 4
+    (ckpt,) = np.asarray(table.checkpoint_slots(["a"])).tolist()
+    cache.write_state(2, ckpt, [4, 3, 2, 1], gpu)
+    table.cache_prefix("a")  # the checkpoint now belongs to the prefix cache
+    parked = table.swap_out("a", tier)
+    assert len(parked.host[2]) == 1  # the live slot only
+    table.swap_in(parked)
+    assert np.asarray(table.checkpoint_slots(["a"])).tolist() == [-1] and table.checkpoint_position("a") == -1
+    table.check_invariants()
+    table.add("b", [1, 2, 3, 4, 9])
+    (live,) = np.asarray(table.state_slots(["b"])).tolist()
+    assert cache.read_state(2, live, gpu).tolist() == [4, 3, 2, 1]  # the cached checkpoint, not the parked copy
