@@ -61,8 +61,6 @@ def device_order(table, seq) -> dict[int, list[int]]:
 def swap_out(table, seq_id: Hashable, tier, stream: Any) -> ParkedSequence:
     """See the module docstring."""
     seq = table._get(seq_id)
-    if table._pending or table._pending_refs:
-        raise KvCacheError("swap_out with copies pending: take_pending_copies() and perform them first")
     device = device_order(table, seq)
     host = tier.alloc({g: len(ids) for g, ids in device.items()})
     try:
