@@ -52,8 +52,7 @@ def raw(cache, gpu, layer, slot, t):
 # -- zero, poison, init -----------------------------------------------------------------
 
 
-def test_poison_and_zero_fill_only_the_listed_slots_in_every_layer_and_tensor():
-    gpu = HostBackend()
+def test_poison_and_zero_fill_only_the_listed_slots_in_every_layer_and_tensor(gpu):
     cache = make(gpu)
     group = cache.group(1)
     held = group.alloc_blocks(SLOTS)
@@ -74,8 +73,7 @@ def test_poison_and_zero_fill_only_the_listed_slots_in_every_layer_and_tensor():
     assert raw(cache, gpu, 1, 0, 0).tobytes() == known[1, 0, 0].tobytes()  # nothing was filled
 
 
-def test_init_slots_zero_unless_kv_poison_is_on(env_flags):
-    gpu = HostBackend()
+def test_init_slots_zero_unless_kv_poison_is_on(gpu, env_flags):
     cache = make(gpu)
     group = cache.group(1)
     held = group.alloc_blocks(2)
@@ -143,8 +141,7 @@ def _expected(arrays, over):
     return math.fsum(x.tolist()), math.fsum((x * x).tolist()), math.fsum(np.abs(x).tolist())
 
 
-def test_state_checksums_are_exact_per_layer_and_tensor():
-    gpu = HostBackend()
+def test_state_checksums_are_exact_per_layer_and_tensor(gpu):
     cache = make(gpu)
     held = cache.group(1).alloc_blocks(SLOTS)
     known = fill_known(cache, gpu, held)
@@ -166,8 +163,7 @@ def test_state_checksums_are_exact_per_layer_and_tensor():
     assert (event["sum"], event["sabs"]) == (1.0, 2.0**61 + 1)
 
 
-def test_per_slot_checksums_and_a_poisoned_slot_reads_nan():
-    gpu = HostBackend()
+def test_per_slot_checksums_and_a_poisoned_slot_reads_nan(gpu):
     cache = make(gpu)
     group = cache.group(1)
     held = group.alloc_blocks(SLOTS)
@@ -182,8 +178,7 @@ def test_per_slot_checksums_and_a_poisoned_slot_reads_nan():
     assert events[1]["ssq"][2] == 8 * 2 * 255.0**2  # float64 is summed by byte: 16 bytes of 0xFF
 
 
-def test_checksum_refusals_name_the_bad_value_and_emit_nothing():
-    gpu = HostBackend()
+def test_checksum_refusals_name_the_bad_value_and_emit_nothing(gpu):
     cache = make(gpu)
     with capture_logs() as logs:
         with pytest.raises(IndexError, match="state slot 9"):
