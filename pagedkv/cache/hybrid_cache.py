@@ -22,8 +22,8 @@ from ..core.env import flags
 from ..core.log import get_logger
 from ..core.validate import positive_int
 from ..errors import KvCacheError
-from ..groups.layout import GroupLayout
 from ..groups import state_checksums
+from ..groups.layout import GroupLayout
 from ..groups.state_pools import StatePools
 from .paged_cache import HYBRID_FACTORY, POISON_BYTE, PagedKvCache
 

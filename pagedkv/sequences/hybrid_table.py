@@ -31,9 +31,9 @@ from ..core.validate import non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from ..groups.window import first_live_block, max_live_blocks
-from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from ..tiers.hybrid_host_tier import check_tier_of
 from . import hybrid_swap
+from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .hybrid_swap import ParkedSequence
 from .tree import adapter_id_checked
