@@ -281,3 +281,18 @@ def test_a_checkpoint_already_cached_is_not_parked_and_the_step_has_none_after()
     table.add("b", [1, 2, 3, 4, 9])
     (live,) = np.asarray(table.state_slots(["b"])).tolist()
     assert cache.read_state(2, live, gpu).tolist() == [4, 3, 2, 1]  # the cached checkpoint, not the parked copy
+
+
+class DropsTheLastRange(HostBackend):
+    """A batched copy that forgets its last range (the state group's, in a hybrid swap)."""
+
+    def copy_batch_async(self, dsts, srcs, sizes, stream):
+        super().copy_batch_async(dsts[:-1], srcs[:-1], sizes[:-1], stream)
+
+
+def test_the_park_conformance_rule_fails_on_a_planted_defect():
+    from pagedkv.testing import backend_conformance
+
+    report = backend_conformance(lambda: DropsTheLastRange(capacity_bytes=1 << 26), only=["hybrid_park"])
+    assert report["hybrid_park"].status == "failed" and "differs from HostBackend after swap_in" in (
+        report["hybrid_park"].reason), report["hybrid_park"].reason
