@@ -364,12 +364,3 @@ class HybridKvCache:
 
 HYBRID_FACTORY[0] = HybridKvCache
 
-
-def refuse_hybrid(cache: object, what: str) -> None:
-    """KvCacheError naming `what` when `cache` is a HybridKvCache (a part that does not
-    handle layer groups yet); nothing otherwise."""
-    if isinstance(cache, HybridKvCache):
-        raise KvCacheError(
-            f"{what} does not support a cache with layer_groups yet (its blocks are per group and it "
-            f"has state slots); use it with a one-group cache, or serve the hybrid cache without it"
-        )

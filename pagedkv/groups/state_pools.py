@@ -151,6 +151,10 @@ class StatePools:
             raise KvCacheError(f"{type(gpu).__name__} {gpu!r:.60}: the state pools live on "
                                f"{type(self._gpu).__name__} {self._gpu!r:.60}")
 
+    def is_live(self) -> bool:
+        """True until `release`."""
+        return self._regions is not None and bool(self._pools)
+
     def check_resident(self, top: int) -> None:
         """Every slot is backed (state pools are never elastic): nothing to check."""
 

@@ -4,7 +4,7 @@ batched swaps, and `HybridHostTier` (`hybrid_host_tier`) a HostTier per group of
 cache; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): slots
 in a directory below a host tier, kept across restarts; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
-imported lazily).
+imported lazily), `HybridKvTransfer` (`hybrid_transfer`) one per group of a hybrid cache.
 
 May import: `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
 `pagedkv.errors`.

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
-from ..cache.hybrid_cache import refuse_hybrid
+from ..cache.hybrid_cache import HybridKvCache, StateGroup
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..errors import KvCacheError
@@ -52,10 +52,12 @@ from .transfer_layout import (  # noqa: F401 - re-exported
     FORMATS_VERSION,
     LAYOUT_VERSION,
     fingerprint,
+    is_state_layout,
     layout_differences,
     layout_lies,
     layout_of,
     pool_geometries,
+    state_layout_of,
 )
 
 _log = get_logger("transfer")
@@ -97,6 +99,13 @@ class _Pool:
     layer: int
     side: str
     address: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """A state slot pool as `head_plan.descriptors` sees it: only its stride (slots move whole)."""
+
     stride: int
 
 
@@ -188,9 +197,12 @@ class KvTransfer(PullMode):
 
     def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",),
                  clock: Callable[[], float] = time.time):
-        refuse_hybrid(cache, "KvTransfer")
-        if not isinstance(cache, PagedKvCache):
-            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        if isinstance(cache, HybridKvCache):
+            raise KvCacheError("KvTransfer moves one group's pools: for a cache with layer_groups use "
+                               "HybridKvTransfer(cache, gpu, name) (pagedkv.tiers.hybrid_transfer)")
+        if not isinstance(cache, (PagedKvCache, StateGroup)):
+            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__} (or a hybrid cache's state group)")
+        self._state = isinstance(cache, StateGroup)
         if not isinstance(name, str) or not name or "\x00" in name:
             raise ValueError(f"name must be a non-empty str without NUL, got {name!r}")
         pools = cache.pools()
@@ -202,7 +214,7 @@ class KvTransfer(PullMode):
             ) from None
         if not pools.is_live():
             raise KvCacheError("KvTransfer over a released cache")
-        if pools.elastic() is not None:
+        if not self._state and pools.elastic() is not None:
             raise ValueError("KvTransfer needs a cache allocated whole (elastic=False): elastic pools map memory later")
         self._mem_type, self._device_id, self._views = self._memory_kind(gpu)
         nixl = load_nixl()
@@ -211,7 +223,7 @@ class KvTransfer(PullMode):
         self._cache = cache
         self._gpu = gpu
         self._num_blocks = cache.num_blocks()
-        self._layout = layout_of(cache)
+        self._layout = state_layout_of(cache) if self._state else layout_of(cache)
         self._pools = self._describe_pools(cache, gpu)
         self._peers: dict[str, _Peer] = {}
         self._requests: dict[int, Any] = {}
@@ -253,10 +265,7 @@ class KvTransfer(PullMode):
         pools = cache.pools()
         host_view = self._mem_type == "DRAM" and backend_supports(gpu, "host_view")
         out = []
-        for layer in range(cache.config().num_layers):
-            sides = [("K", pools.k_pool(layer), pools.k_stride(layer))]
-            if not cache.config().v_aliases_k:
-                sides.append(("V", pools.v_pool(layer), pools.v_stride(layer)))
+        for layer, sides in self._pool_rows(cache):
             for side, ptr, stride in sides:
                 address = int(ptr)
                 if host_view:
@@ -264,6 +273,21 @@ class KvTransfer(PullMode):
                     self._views.append(view)  # keeps the bytes alive while registered
                     address = view.ctypes.data
                 out.append(_Pool(layer, side, address, stride))
+        return out
+
+    def _pool_rows(self, cache: Any) -> list:
+        """[(layer, [(side, base, stride), ...])]: K then V per layer; for a state group,
+        one "S<tensor>" row per state tensor of each layer."""
+        pools = cache.pools()
+        if self._state:
+            return [(layer, [(f"S{t}", pools.pool_ptr(layer, t), pools.stride(t)) for t in range(pools.num_tensors())])
+                    for layer in cache.layers]
+        out = []
+        for layer in range(cache.config().num_layers):
+            sides = [("K", pools.k_pool(layer), pools.k_stride(layer))]
+            if not cache.config().v_aliases_k:
+                sides.append(("V", pools.v_pool(layer), pools.v_stride(layer)))
+            out.append((layer, sides))
         return out
 
     def metadata(self) -> bytes:
@@ -331,7 +355,9 @@ class KvTransfer(PullMode):
             raise ValueError(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
         layout = info["layout"]
         described = []
-        for layer, entry in enumerate(layout["layers"]):
+        if is_state_layout(layout):
+            described = [(row["layer"], f"S{row['tensor']}", row["stride"]) for row in layout["rows"]]
+        for layer, entry in enumerate(layout.get("layers", [])):
             described.append((layer, "K", entry["k_stride"]))
             if not layout["v_aliases_k"]:
                 described.append((layer, "V", entry["v_stride"]))
@@ -343,6 +369,13 @@ class KvTransfer(PullMode):
         """The peer with its send and pull plans (pagedkv.tiers.head_plan)."""
         layout = info["layout"]
         rank, size = int(layout.get("tp_rank", 0)), int(layout.get("tp_size", 1))
+        if self._state:  # slots move whole, one run per stretch of consecutive slot pairs
+            plans = [(here.address, there.address, _Slots(here.stride), _Slots(there.stride),
+                      np.array([[0, 0, here.stride]], np.int64)) for here, there in zip(self._pools, pools)]
+            back = [(there.address, here.address, _Slots(there.stride), _Slots(here.stride),
+                     np.array([[0, 0, here.stride]], np.int64)) for here, there in zip(self._pools, pools)]
+            return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
+                         0, 1, tuple(plans), tuple(back), info)
         mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
         my_rank, my_size = self._layout["tp_rank"], self._layout["tp_size"]
         sends_replicas = my_rank == head_plan.replica_sender(rank, my_size, size)
@@ -399,15 +432,9 @@ class KvTransfer(PullMode):
 
     # -- transfers --------------------------------------------------------------------
 
-    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"") -> TransferHandle:
-        """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
-        the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
-        descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
-        reaches the peer's `notifications()` once the bytes have landed. Returns the handle
-        to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
-        either side (IndexError naming it and the side's size), a free source block, lists of
-        different or zero length, a repeated destination (ValueError naming it), a notify
-        that is not bytes. Work the caller enqueued on the source blocks must be complete."""
+    def checked_send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"") -> tuple:
+        """(peer, src, dst) of a `send` after every one of its checks, nothing sent: for a
+        caller that must refuse a send of several agents before any of them posts."""
         self._check_open()
         info = self._peer(peer)
         src = _blocks(src_blocks, self._num_blocks, "src_blocks", "this cache")
@@ -425,6 +452,18 @@ class KvTransfer(PullMode):
             raise ValueError(f"source block {free} is free (send only blocks the cache holds)")
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        return info, src, dst
+
+    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"") -> TransferHandle:
+        """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
+        the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
+        descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
+        reaches the peer's `notifications()` once the bytes have landed. Returns the handle
+        to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
+        either side (IndexError naming it and the side's size), a free source block, lists of
+        different or zero length, a repeated destination (ValueError naming it), a notify
+        that is not bytes. Work the caller enqueued on the source blocks must be complete."""
+        info, src, dst = self.checked_send(peer, src_blocks, dst_blocks, notify)
         local, remote = self._descriptors(info, info.send_plans, src, dst)
         nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
         nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)
