@@ -170,7 +170,9 @@ class HybridKvTransfer:
         """Write blocks (slots) `src[g]` of every group named into the peer's `dst[g]`, one
         NIXL request per group; the peer's `notifications()` gives `(this name, notify)` once
         all of them have landed. Every group's checks (KvTransfer.send's) run before any
-        group posts. Work the caller enqueued on the sources must be complete."""
+        group posts. Work the caller enqueued on the sources must be complete. A TransferError
+        posting a later group (NIXL refused it) comes after the groups already posted have
+        completed: their bytes are written, and the peer never completes that message."""
         self._peer(peer)
         if not isinstance(src, Mapping) or not isinstance(dst, Mapping):
             raise TypeError("src and dst must be mappings {group: [block or slot ids]}")
