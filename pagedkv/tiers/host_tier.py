@@ -222,10 +222,7 @@ class HostTier:
         reading them, they become free only once it is done. Checked before anything
         changes: a free or repeated block raises naming it, and so does an error polling
         `after` (the blocks stay allocated)."""
-        blocks = self._host_blocks(blocks, "free")
-        self._check_allocated(blocks, "free of")
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"host tier free lists a block twice: {blocks}")
+        blocks = self.checked_free(blocks)
         reading = after is not None and not after.done()  # may raise (an event error): nothing changed yet
         for block in blocks:
             self._lru.pop(block, None)
@@ -235,6 +232,14 @@ class HostTier:
         else:
             for block in blocks:
                 heapq.heappush(self._free, block)
+
+    def checked_free(self, blocks: Sequence[int]) -> list[int]:
+        """`blocks` after every check `free` makes (nothing freed): each valid, allocated, listed once."""
+        blocks = self._host_blocks(blocks, "free")
+        self._check_allocated(blocks, "free of")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"host tier free lists a block twice: {blocks}")
+        return blocks
 
     def abandon(self, handle: SwapHandle, blocks: Sequence[int]) -> None:
         """Give back allocated host blocks that a swap whose completion could not be

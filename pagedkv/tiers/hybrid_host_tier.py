@@ -99,7 +99,7 @@ class HybridHostTier:
         that swap is done). Every group's list is checked before any is freed."""
         host = self._groups_of(host, "host")
         for g, ids in host.items():
-            self._tiers[g]._check_allocated(self._tiers[g]._host_blocks(ids, "free"), "free of")
+            self._tiers[g].checked_free(ids)
         for g, ids in host.items():
             self._tiers[g].free(ids, after=after)
 
