@@ -22,9 +22,10 @@ from ..core.env import flags
 from ..core.log import get_logger
 from ..core.validate import positive_int
 from ..errors import KvCacheError
+from ..groups import state_checksums
 from ..groups.layout import GroupLayout
 from ..groups.state_pools import StatePools
-from .paged_cache import HYBRID_FACTORY, PagedKvCache
+from .paged_cache import HYBRID_FACTORY, POISON_BYTE, PagedKvCache
 
 _log = get_logger("cache")
 
@@ -59,12 +60,50 @@ class StateGroup:
         """The slot allocator (free list and counts)."""
         return self._allocator
 
+    def block_regions(self):
+        """The slot pools' region table (a row per layer and tensor), as a cache's
+        `block_regions()`: a `HostTier` of the group swaps slots through it."""
+        return self._pools.regions()
+
     def state_ptr(self, layer: int, slot: int, tensor: int = 0) -> DevicePtr:
         """See `StatePools.state_ptr` (`layer` a global layer index)."""
         return self._pools.state_ptr(layer, slot, tensor)
 
+    # -- fill: zero, poison, init (the state counterparts of the block calls) ----------
 
-def _per_group(value, layout: GroupLayout, what: str, kinds: list[int], default) -> dict[int, int]:
+    def fill_slots(self, slots: Sequence[int], value: int, gpu: GpuBackend, stream: int) -> None:
+        """Set every byte of the listed slots, in every layer and tensor, to `value` (one
+        backend fill call: one launch on CudaBackend)."""
+        self._pools.fill(slots, value, gpu, stream)
+
+    def zero_slots(self, slots: Sequence[int], gpu: GpuBackend, stream: int) -> None:
+        """Zero the listed slots (the recurrence's initial state), in one fill call."""
+        self._pools.fill(slots, 0, gpu, stream)
+
+    def poison_slots(self, slots: Sequence[int], gpu: GpuBackend, stream: int) -> None:
+        """Fill the listed slots with POISON_BYTE (0xFF: a NaN in bfloat16, float16 and
+        float32, so a read of a stale slot shows), in one fill call."""
+        self._pools.fill(slots, POISON_BYTE, gpu, stream)
+
+    def init_slots(self, slots: Sequence[int], gpu: GpuBackend, stream: int) -> None:
+        """Prepare slots the engine writes before anything reads them (checkpoint slots):
+        zero them, or poison them when METRALE_KV_POISON is on, like `init_blocks`."""
+        self._pools.fill(slots, POISON_BYTE if flags().kv_poison else 0, gpu, stream)
+
+    def free_slots(self, slots: Sequence[int], gpu: GpuBackend | None = None, stream: int = 0) -> list[int]:
+        """Drop one reference to each listed slot (`free_blocks`); returns the slots that went
+        back on the free list. Under METRALE_KV_POISON, with a backend, those are poisoned
+        (one fill call on `stream`), so a kernel still reading a freed sequence's state
+        reads NaN."""
+        slots = list(slots)
+        self._allocator.free_blocks(slots)
+        freed = [s for s in dict.fromkeys(slots) if self._allocator.ref_count(s) == 0]
+        if freed and gpu is not None and flags().kv_poison:
+            self._pools.fill(freed, POISON_BYTE, gpu, stream)
+        return freed
+
+
+def per_group_counts(value, layout: GroupLayout, what: str, kinds: list[int], default) -> dict[int, int]:
     """`value` (an int for every group of `kinds`, or a sequence with one entry per group,
     None at the groups of the other kind) as {group: count}."""
     if value is None:
@@ -96,13 +135,14 @@ class HybridKvCache:
             raise ValueError("elastic=True is not supported for a cache with layer_groups")
         layout = GroupLayout(config)
         attention, states = layout.attention_groups(), layout.state_groups()
-        blocks = _per_group(num_blocks, layout, "num_blocks", attention, None)
+        blocks = per_group_counts(num_blocks, layout, "num_blocks", attention, None)
         default_slots = blocks[attention[0]]
-        slots = _per_group(num_state_slots, layout, "num_state_slots", states, default_slots)
+        slots = per_group_counts(num_state_slots, layout, "num_state_slots", states, default_slots)
         self._config = config
         self._layout = layout
         self._gpu = gpu
         self._groups: list = []
+        self._state_views: dict[tuple, object] = {}  # kept state views (state_view)
         try:
             for g, group in enumerate(layout.groups):
                 if group.is_attention():
@@ -243,6 +283,45 @@ class HybridKvCache:
                 raise KvCacheError(f"copy_state destination slot {slot} is not held")
         target.pools().copy(src, dst, gpu, stream)
 
+    def state_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False, tensor: int = 0):
+        """State tensor `tensor` of state layer `layer`, every slot, as a zero-copy DLPack
+        tensor on `gpu` (work on `stream`): shape `(num_slots, *shape)` in the tensor's dtype,
+        slot `s` at index `s` (see `pagedkv.interop.state_views`). Kept like `k_view`: the
+        same (layer, tensor, gpu, stream, readonly) gives the same view object."""
+        group = self._state_group(self.group_of_layer(layer))
+        key = None
+        if type(layer) is int and type(tensor) is int and type(readonly) is bool and type(stream) not in (bool, float):
+            key = (layer, tensor, id(gpu), stream, readonly)
+            try:
+                kept = self._state_views.get(key)
+            except TypeError:  # an unhashable stream object: a fresh view each time
+                kept, key = None, None
+            if kept is not None and kept._gpu is gpu:
+                return kept
+        from ..interop.state_views import StateView
+
+        view = StateView(group.pools(), layer, tensor, gpu, stream, readonly)
+        if key is not None:
+            self._state_views[key] = view
+        return view
+
+    # -- diagnostics --------------------------------------------------------------------
+
+    def debug_state_checksum_per_layer(self, slots: Sequence[int], gpu: GpuBackend, stream: int, tag: str,
+                                       group: int | None = None) -> None:
+        """Per layer and state tensor of state group `group` (the only one when None), one
+        structlog `state_checksum` event with the exact float64 sum, ssq and sabs over
+        `slots` (the state counterpart of `debug_kv_checksum_per_layer`; see
+        `pagedkv.groups.state_checksums` for what each dtype sums)."""
+        target = self._state_group(group)
+        state_checksums.checksum_per_layer(target.pools(), slots, gpu, stream, tag, target.index)
+
+    def debug_state_per_slot(self, layer: int, slots: Sequence[int], gpu: GpuBackend, stream: int, tag: str) -> None:
+        """One structlog `state_slot_checksum` event per entry of `slots`: logical index,
+        slot and the exact sum of squares of each state tensor of `layer`."""
+        target = self._state_group(self.group_of_layer(layer))
+        state_checksums.per_slot(target.pools(), layer, slots, gpu, stream, tag)
+
     # -- lifecycle ----------------------------------------------------------------------
 
     def label(self) -> str:
@@ -285,12 +364,3 @@ class HybridKvCache:
 
 HYBRID_FACTORY[0] = HybridKvCache
 
-
-def refuse_hybrid(cache: object, what: str) -> None:
-    """KvCacheError naming `what` when `cache` is a HybridKvCache (a part that does not
-    handle layer groups yet); nothing otherwise."""
-    if isinstance(cache, HybridKvCache):
-        raise KvCacheError(
-            f"{what} does not support a cache with layer_groups yet (its blocks are per group and it "
-            f"has state slots); use it with a one-group cache, or serve the hybrid cache without it"
-        )

@@ -83,6 +83,31 @@ class StatePools:
             raise KvCacheError("the state pools were released")
         return self._pools[i][t].offset(s * self._strides[t])
 
+    def group(self) -> LayerGroup:
+        """The state group these pools hold."""
+        return self._group
+
+    def num_tensors(self) -> int:
+        """State tensors per layer."""
+        return len(self._bytes)
+
+    def region_index(self, layer: int, tensor: int = 0) -> int:
+        """The row of `regions()` holding `layer`'s pool of state tensor `tensor`."""
+        return self._local(layer) * len(self._bytes) + self._tensor(tensor)
+
+    def pool_ptr(self, layer: int, tensor: int = 0) -> DevicePtr:
+        """Base address of `layer`'s pool of state tensor `tensor` (slot 0)."""
+        i, t = self._local(layer), self._tensor(tensor)
+        if not self._pools:
+            raise KvCacheError("the state pools were released")
+        return self._pools[i][t]
+
+    def slot_array(self, slots: Sequence[int], what: str = "state slots") -> np.ndarray:
+        """`slots` checked (each in range, the first bad one named) as an int64 array."""
+        if slots is None or isinstance(slots, (str, bytes)) or not hasattr(slots, "__iter__"):
+            raise TypeError(f"{what} must be a sequence of int slot indices, got {type(slots).__name__} {slots!r:.60}")
+        return np.asarray([self.slot(s) for s in slots], dtype=np.int64)
+
     def stride(self, tensor: int = 0) -> int:
         """Bytes between consecutive slots of state tensor `tensor`."""
         return self._strides[self._tensor(tensor)]
@@ -119,6 +144,19 @@ class StatePools:
         if arr.shape != shape:
             raise ValueError(f"state tensor {tensor} of layer {layer} has shape {shape}, got {arr.shape}")
         gpu.copy_h2d(arr.view(np.uint8).reshape(-1), self.state_ptr(layer, slot, tensor))
+
+    def check_backend(self, gpu: object) -> None:
+        """KvCacheError unless `gpu` is the backend the pools were allocated on."""
+        if gpu is not self._gpu:
+            raise KvCacheError(f"{type(gpu).__name__} {gpu!r:.60}: the state pools live on "
+                               f"{type(self._gpu).__name__} {self._gpu!r:.60}")
+
+    def is_live(self) -> bool:
+        """True until `release`."""
+        return self._regions is not None and bool(self._pools)
+
+    def check_resident(self, top: int) -> None:
+        """Every slot is backed (state pools are never elastic): nothing to check."""
 
     def release(self, gpu: GpuBackend) -> None:
         """Free the region table and every pool (every free attempted, the first error raised)."""

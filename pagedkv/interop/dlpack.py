@@ -5,7 +5,8 @@ max_version=None, dl_device=None, copy=None)` and `__dlpack_device__()` for anyt
 can describe itself as a `TensorSpec`. A consumer passing `max_version >= (1, 0)` gets a
 `dltensor_versioned` capsule (DLPack 1.x, with the read-only and is-copied flags), others
 the legacy `dltensor` capsule. Strides are always filled, in elements. Dtypes use the real
-codes: uint8, int32, int64, bfloat16 (kDLBfloat, code 4) and float8_e4m3fn (code 10).
+codes: int and uint of 8 to 64 bits, float16/32/64 (kDLFloat), bfloat16 (kDLBfloat, code 4)
+and float8_e4m3fn (code 10).
 
 Lifetime: each capsule has one record holding the struct, its shape and strides, a
 reference to the memory's owner and the capsule. The consumer's call of the deleter drops
@@ -46,10 +47,17 @@ STREAM_NO_SYNC = -1
 
 # dtype name -> (DLDataTypeCode, bits)
 DTYPE_CODES = {
+    "int8": (0, 8),
+    "int16": (0, 16),
     "int32": (0, 32),
     "int64": (0, 64),
     "uint8": (1, 8),
     "uint16": (1, 16),
+    "uint32": (1, 32),
+    "uint64": (1, 64),
+    "float16": (2, 16),
+    "float32": (2, 32),
+    "float64": (2, 64),
     "bfloat16": (4, 16),
     "float8_e4m3fn": (10, 8),
 }

@@ -38,13 +38,17 @@ from .dlpack import (KDL_CPU, KDL_CUDA, STREAM_LEGACY, _VERSIONS, CapsuleTemplat
                      prepared_export)
 
 NUMPY_DTYPES = DtypeTable(
-    {"uint8": np.dtype(np.uint8), "uint16": np.dtype(np.uint16), "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)},
+    {name: np.dtype(name) for name in ("int8", "int16", "uint8", "uint16", "uint32", "uint64", "int32", "int64",
+                                       "float16", "float32", "float64")},
     {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn"},
 )
 """The numpy (ml_dtypes) dtype of each DLPack dtype name a view can carry."""
 
-CAI_TYPESTRS = {"uint8": "|u1", "uint16": "<u2", "int32": "<i4", "int64": "<i8"}
+CAI_TYPESTRS = {"int8": "|i1", "int16": "<i2", "uint8": "|u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8",
+                "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8"}
 """`__cuda_array_interface__` typestrs; bfloat16 and float8_e4m3fn have none."""
+
+_TABLE_DTYPES = ("uint8", "int32", "int64")
 
 _ELEMENT_DTYPES = {KvCacheDtype.BF16: "bfloat16", KvCacheDtype.FP8: "float8_e4m3fn"}
 _BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}  # what consumers without those dtypes take
@@ -147,7 +151,8 @@ class _MemoryExport(DlpackProducer):
 
     @property
     def dtype(self) -> str:
-        """The tensor's DLPack dtype name: bfloat16, float8_e4m3fn, uint8, uint16, int32 or int64."""
+        """The tensor's DLPack dtype name (a key of `NUMPY_DTYPES`): bfloat16, float8_e4m3fn,
+        uint8, uint16, int32 or int64 for pools and tables; a state view's own dtype."""
         return self._layout().dtype
 
     @property
@@ -158,8 +163,8 @@ class _MemoryExport(DlpackProducer):
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        """CUDA Array Interface v3 of a CUDA view whose dtype has a typestr (uint8, int32,
-        int64). bfloat16 and float8_e4m3fn have no CAI typestr, and host views are not
+        """CUDA Array Interface v3 of a CUDA view whose dtype has a typestr (ints, uints,
+        float16/32/64). bfloat16 and float8_e4m3fn have no CAI typestr, and host views are not
         CUDA memory: both raise AttributeError (use DLPack). `stream` is the producing
         stream the consumer must order after (1 for pagedkv's default stream 0)."""
         if self._device()[0] != KDL_CUDA:
@@ -345,7 +350,7 @@ class DeviceArrayPtr(DevicePtr, _MemoryExport):
     def __new__(cls, address: int, host: np.ndarray, gpu: Any, stream: Any = 0) -> "DeviceArrayPtr":
         self = super().__new__(cls, address)
         name = host.dtype.name
-        if name not in CAI_TYPESTRS:
+        if name not in _TABLE_DTYPES:
             raise TypeError(f"a table export must be int32, int64 or uint8, got {name}")
         dlpack_device_of(gpu)
         self._shape, self._dtype_name, self._gpu, self._stream = tuple(host.shape), name, gpu, stream

@@ -35,7 +35,7 @@ slots of a state group).
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -47,8 +47,11 @@ from ..core.validate import MAX_TOKEN_ID, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
+from ..tiers.hybrid_host_tier import check_tier_of
+from . import hybrid_swap
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
+from .hybrid_swap import ParkedSequence
 from .tree import adapter_id_checked
 
 
@@ -166,6 +169,16 @@ class HybridSequenceTable(SequenceQueries):
         if slots and self._gpu is not None:
             self._cache.group(g).pools().fill(slots, 0, self._gpu, self._stream)
 
+    def _init_slots(self, g: int, slots: list[int]) -> None:
+        """Fresh checkpoint slots: zeroed, or poisoned under METRALE_KV_POISON (`init_slots`)."""
+        if slots and self._gpu is not None:
+            self._cache.group(g).init_slots(slots, self._gpu, self._stream)
+
+    def _free_slots(self, g: int, slots: list[int]) -> None:
+        """Drop the table's references; slots that went free are poisoned under METRALE_KV_POISON."""
+        if slots:
+            self._cache.group(g).free_slots(slots, self._gpu, self._stream)
+
     def _get(self, seq_id: Hashable) -> _HSeq:
         seq = self._seqs.get(seq_id)
         if seq is None:
@@ -223,6 +236,8 @@ class HybridSequenceTable(SequenceQueries):
                 if branch and branch not in positions:
                     positions = sorted(positions + [branch])
                 slots = undo.alloc(g, len(positions)) if positions else []
+                if slots:
+                    self._init_slots(g, slots)
                 seq.checkpoints[g] = list(zip(positions, slots))
                 seq.step_checkpoints[g] = len(slots)
             for g in self._states:  # last: nothing after this can fail
@@ -338,7 +353,9 @@ class HybridSequenceTable(SequenceQueries):
                 for g in self._states:
                     positions = self._checkpoints_in(g, old, total, prompt=False)
                     if positions:
-                        new_ckpts.append((g, list(zip(positions, undo.alloc(g, len(positions))))))
+                        slots = undo.alloc(g, len(positions))
+                        self._init_slots(g, slots)
+                        new_ckpts.append((g, list(zip(positions, slots))))
             for g, first, start, fresh, copy in plans:
                 if copy:
                     self._copy(g, seq.held[g].blocks[-1], fresh[0])
@@ -460,8 +477,7 @@ class HybridSequenceTable(SequenceQueries):
         for g in self._states:
             slots = [slot for _, slot in seq.checkpoints[g]]
             seq.checkpoints[g], seq.step_checkpoints[g] = [], 0
-            if slots:
-                self._cache.group(g).free_blocks(slots)
+            self._free_slots(g, slots)
 
     @guarded
     def free(self, seq_id: Hashable) -> None:
@@ -478,7 +494,7 @@ class HybridSequenceTable(SequenceQueries):
                 self._release_extra(seq, g, 0)
                 self._cache.group(g).free_blocks(seq.held[g].blocks)
             for g in self._states:
-                self._cache.group(g).free_blocks([seq.slots[g]])
+                self._free_slots(g, [seq.slots[g]])
 
     @guarded
     def cache_prefix(self, seq_id: Hashable) -> int:
@@ -507,6 +523,27 @@ class HybridSequenceTable(SequenceQueries):
         for g, slot in refs:
             self._cache.group(g).free_blocks([slot])
         return pairs
+
+    @guarded
+    def swap_out(self, seq_id: Hashable, tier, stream: Any = None) -> ParkedSequence:
+        """Park the sequence in `tier` (the cache's `HybridHostTier`): every group's blocks,
+        its live state slot and pending checkpoints copied in one swap on `stream` (the
+        table's by default), then released; see `pagedkv.sequences.hybrid_swap`."""
+        self._check_swap(tier)
+        return hybrid_swap.swap_out(self, seq_id, tier, self._stream if stream is None else stream)
+
+    @guarded
+    def swap_in(self, parked: ParkedSequence, stream: Any = None) -> None:
+        """Bring a parked sequence back under its id, in fresh blocks and slots of every
+        group (one swap on `stream`, the table's by default); see `hybrid_swap`."""
+        if isinstance(parked, ParkedSequence):
+            self._check_swap(parked.tier)
+        hybrid_swap.swap_in(self, parked, self._stream if stream is None else stream)
+
+    def _check_swap(self, tier) -> None:
+        check_tier_of(tier, self._cache)
+        if self._gpu is None:
+            raise KvCacheError("swap_out / swap_in need a table with a backend (SequenceTable(cache, prefix, gpu))")
 
     # -- queries ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from ..backends.capabilities import backend_supports
 from . import protocol_rules  # noqa: F401 - importing registers the rules, protocol first
 from . import tier_rules  # noqa: F401,I001 - its protocol rules, then its cache rule
 from . import cache_rules  # noqa: F401,I001
+from . import hybrid_rules  # noqa: F401,I001 - after the cache rules
 from .registry import RULES, ConformanceFailure, Rule, RuleNotApplicable
 from .report import FAILED, PASSED, SKIPPED, ConformanceReport, RuleResult
 

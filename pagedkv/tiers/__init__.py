@@ -1,9 +1,10 @@
 """pagedkv.tiers: KV beyond one cache's device pools. `HostTier` (`host_tier`): host blocks
 in the device pools' layout (or a smaller format, `tier_codec`), filled and read back by
-batched swaps; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): slots
+batched swaps, and `HybridHostTier` (`hybrid_host_tier`) a HostTier per group of a hybrid
+cache; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): slots
 in a directory below a host tier, kept across restarts; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
-imported lazily).
+imported lazily), `HybridKvTransfer` (`hybrid_transfer`) one per group of a hybrid cache.
 
 May import: `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
 `pagedkv.errors`.

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..backends.capabilities import require
 from ..backends.protocol import GpuBackend
-from ..cache.hybrid_cache import refuse_hybrid
+from ..cache.hybrid_cache import HybridKvCache, StateGroup
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..core.streams import stream_handle
@@ -100,9 +100,13 @@ class HostTier:
 
     def __init__(self, cache: PagedKvCache, num_blocks: int, gpu: GpuBackend, format: Any = None,
                  staging_blocks: int = 64):
-        refuse_hybrid(cache, "HostTier")
-        if not isinstance(cache, PagedKvCache):
-            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        if isinstance(cache, HybridKvCache):
+            raise KvCacheError("HostTier does not support a cache with layer_groups: use "
+                               "HybridHostTier(cache, num_blocks, gpu) (a HostTier per group)")
+        if not isinstance(cache, (PagedKvCache, StateGroup)):
+            raise TypeError(f"cache must be a PagedKvCache (or a hybrid cache's group), got {type(cache).__name__}")
+        if isinstance(cache, StateGroup) and format is not None:
+            raise ValueError(f"format={format!r}: a state group's host slots keep the device bytes (no tier format)")
         require(gpu, "host_tier", "HostTier")
         try:
             cache.pools().check_backend(gpu)
@@ -177,7 +181,13 @@ class HostTier:
 
     def rows(self) -> list[dict]:
         """What one host block holds, row by row (the region table's order): layer, side,
-        side format, dims and stride (what a disk tier's layout records)."""
+        side format, dims and stride (what a disk tier's layout records); for a state
+        group's tier: layer, tensor, dtype, shape and stride of each slot row."""
+        if isinstance(self._cache, StateGroup):
+            pools = self._cache.pools()
+            return [{"layer": layer, "tensor": t, "dtype": str(dtype), "shape": list(shape),
+                     "stride": int(self._strides[pools.region_index(layer, t)])}
+                    for layer in self._cache.layers for t, (shape, dtype) in enumerate(pools.group().state)]
         config = self._cache.config() if self._codec is None else self._codec.config
         out = []
         for layer in range(config.num_layers):
@@ -214,11 +224,7 @@ class HostTier:
         reading them, they become free only once it is done. Checked before anything
         changes: a free or repeated block raises naming it, and so does an error polling
         `after` (the blocks stay allocated)."""
-        blocks = self._host_blocks(blocks, "free")
-        self._check_allocated(blocks, "free of")
-        self._check_not_owned(blocks, "free")
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"host tier free lists a block twice: {blocks}")
+        blocks = self.checked_free(blocks)
         reading = after is not None and not after.done()  # may raise (an event error): nothing changed yet
         for block in blocks:
             self._lru.pop(block, None)
@@ -228,6 +234,15 @@ class HostTier:
         else:
             for block in blocks:
                 heapq.heappush(self._free, block)
+
+    def checked_free(self, blocks: Sequence[int]) -> list[int]:
+        """`blocks` after every check `free` makes (nothing freed): each valid, allocated, listed once."""
+        blocks = self._host_blocks(blocks, "free")
+        self._check_allocated(blocks, "free of")
+        self._check_not_owned(blocks, "free")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"host tier free lists a block twice: {blocks}")
+        return blocks
 
     def abandon(self, handle: SwapHandle, blocks: Sequence[int]) -> None:
         """Give back allocated host blocks that a swap whose completion could not be
@@ -327,6 +342,12 @@ class HostTier:
         `Event`, or a SwapHandle; the KV's producer) so it never reads KV before the work that
         wrote it. Device blocks must be allocated (count > 0); host blocks allocated, distinct
         and not cached. Every check runs before anything is enqueued. Returns the handle."""
+        device, host = self.checked_swap_out(device_blocks, host_blocks)
+        return self._swap(device, host, stream, after, to_host=True)
+
+    def checked_swap_out(self, device_blocks: Sequence[int], host_blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The pairs of a `swap_out` after every one of its checks (nothing enqueued): for
+        a caller batching several tiers' swaps into one copy (`HybridHostTier`)."""
         device, host = self._pairs(device_blocks, host_blocks, "swap_out")
         allocator = self._cache.allocator()
         for block in device:
@@ -337,7 +358,7 @@ class HostTier:
         cached = [b for b in host if b in self._lru]
         if cached:
             raise KvCacheError(f"swap_out into host block {cached[0]}, which holds cached KV: free it first")
-        return self._swap(device, host, stream, after, to_host=True)
+        return device, host
 
     def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int], stream: Any,
                 after: Any = None) -> SwapHandle:
@@ -347,11 +368,30 @@ class HostTier:
         held by the caller and not in the prefix cache (the cache's write rule). Every check
         runs before anything is enqueued. Returns the handle; work enqueued later on
         `stream` sees the bytes."""
+        device, host = self.checked_swap_in(host_blocks, device_blocks)
+        return self._swap(device, host, stream, after, to_host=False)
+
+    def checked_swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The (device, host) pairs of a `swap_in` after every one of its checks (nothing
+        enqueued); see `checked_swap_out`."""
         device, host = self._pairs(device_blocks, host_blocks, "swap_in")
         self._check_distinct(device, "swap_in device destinations")
         self._cache.allocator().check_writable(device)
         self._check_allocated(host, "swap_in from")
-        return self._swap(device, host, stream, after, to_host=False)
+        return device, host
+
+    def handle_after(self, stream: Any, blocks: int) -> SwapHandle:
+        """The handle of a swap of `blocks` blocks the caller just enqueued on `stream`."""
+        return self._handle(stream, blocks)
+
+    def wait_for(self, after: Any, stream: Any) -> None:
+        """Make `stream` wait for `after` (a SwapHandle, an `Event` or a stream), as a swap's
+        `after=` does."""
+        self._wait_for(after, stream)
+
+    def has_codec(self) -> bool:
+        """True when host blocks are stored in another format (`format=`)."""
+        return self._codec is not None
 
     def _pairs(self, device_blocks: Sequence[int], host_blocks: Sequence[int], verb: str) -> tuple[list[int], list[int]]:
         self._check_live()
@@ -452,6 +492,8 @@ class HostTier:
         A diagnostic read: a free host block is read too, and returns whatever bytes it last
         held (zeros before any swap on HostBackend); `is_cached` says whether it holds KV."""
         self._check_live()
+        if isinstance(self._cache, StateGroup):
+            raise TypeError("read_block of a state group's tier: its host slots have no K and V (use block_rows)")
         block = index_in_range(block, self._num_blocks, "host block", f"a host tier of {self._num_blocks} blocks")
         cache = self._cache
         out = []

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
-from ..cache.hybrid_cache import refuse_hybrid
+from ..cache.hybrid_cache import HybridKvCache, StateGroup
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
 from ..core.validate import positive_int, seconds
@@ -55,10 +55,12 @@ from .transfer_layout import (  # noqa: F401 - re-exported
     FORMATS_VERSION,
     LAYOUT_VERSION,
     fingerprint,
+    is_state_layout,
     layout_differences,
     layout_lies,
     layout_of,
     pool_geometries,
+    state_layout_of,
 )
 
 _log = get_logger("transfer")
@@ -111,6 +113,13 @@ class _Pool:
     layer: int
     side: str
     address: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """A state slot pool as `head_plan.descriptors` sees it: only its stride (slots move whole)."""
+
     stride: int
 
 
@@ -211,9 +220,12 @@ class KvTransfer(PullMode, GrantMode):
     def __init__(self, cache: PagedKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",),
                  clock: Callable[[], float] = time.time, *, allow: Iterable[str] | None = None,
                  token: bytes | None = None, max_peers: int = DEFAULT_MAX_PEERS, require_grants: bool = False):
-        refuse_hybrid(cache, "KvTransfer")
-        if not isinstance(cache, PagedKvCache):
-            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__}")
+        if isinstance(cache, HybridKvCache):
+            raise KvCacheError("KvTransfer moves one group's pools: for a cache with layer_groups use "
+                               "HybridKvTransfer(cache, gpu, name) (pagedkv.tiers.hybrid_transfer)")
+        if not isinstance(cache, (PagedKvCache, StateGroup)):
+            raise TypeError(f"cache must be a PagedKvCache, got {type(cache).__name__} (or a hybrid cache's state group)")
+        self._state = isinstance(cache, StateGroup)
         if not isinstance(name, str) or not name or "\x00" in name or len(name) > transfer_metadata.MAX_NAME:
             raise ValueError(f"name must be a non-empty str without NUL of at most "
                              f"{transfer_metadata.MAX_NAME} characters, got {name!r:.80}")
@@ -245,7 +257,7 @@ class KvTransfer(PullMode, GrantMode):
             ) from None
         if not pools.is_live():
             raise KvCacheError("KvTransfer over a released cache")
-        if pools.elastic() is not None:
+        if not self._state and pools.elastic() is not None:
             raise ValueError("KvTransfer needs a cache allocated whole (elastic=False): elastic pools map memory later")
         self._mem_type, self._device_id, self._views = self._memory_kind(gpu)
         nixl = load_nixl()
@@ -254,7 +266,7 @@ class KvTransfer(PullMode, GrantMode):
         self._cache = cache
         self._gpu = gpu
         self._num_blocks = cache.num_blocks()
-        self._layout = layout_of(cache)
+        self._layout = state_layout_of(cache) if self._state else layout_of(cache)
         self._pools = self._describe_pools(cache, gpu)
         self._peers: dict[str, _Peer] = {}
         self._loaded: dict[str, str] = {}  # peer name -> digest of the NIXL part loaded for it, LRU first
@@ -308,10 +320,7 @@ class KvTransfer(PullMode, GrantMode):
         pools = cache.pools()
         host_view = self._mem_type == "DRAM" and backend_supports(gpu, "host_view")
         out = []
-        for layer in range(cache.config().num_layers):
-            sides = [("K", pools.k_pool(layer), pools.k_stride(layer))]
-            if not cache.config().v_aliases_k:
-                sides.append(("V", pools.v_pool(layer), pools.v_stride(layer)))
+        for layer, sides in self._pool_rows(cache):
             for side, ptr, stride in sides:
                 address = int(ptr)
                 if host_view:
@@ -319,6 +328,21 @@ class KvTransfer(PullMode, GrantMode):
                     self._views.append(view)  # keeps the bytes alive while registered
                     address = view.ctypes.data
                 out.append(_Pool(layer, side, address, stride))
+        return out
+
+    def _pool_rows(self, cache: Any) -> list:
+        """[(layer, [(side, base, stride), ...])]: K then V per layer; for a state group,
+        one "S<tensor>" row per state tensor of each layer."""
+        pools = cache.pools()
+        if self._state:
+            return [(layer, [(f"S{t}", pools.pool_ptr(layer, t), pools.stride(t)) for t in range(pools.num_tensors())])
+                    for layer in cache.layers]
+        out = []
+        for layer in range(cache.config().num_layers):
+            sides = [("K", pools.k_pool(layer), pools.k_stride(layer))]
+            if not cache.config().v_aliases_k:
+                sides.append(("V", pools.v_pool(layer), pools.v_stride(layer)))
+            out.append((layer, sides))
         return out
 
     def metadata(self) -> bytes:
@@ -432,7 +456,9 @@ class KvTransfer(PullMode, GrantMode):
             raise BadPeerMetadata(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
         layout = info["layout"]
         described = []
-        for layer, entry in enumerate(layout["layers"]):
+        if is_state_layout(layout):
+            described = [(row["layer"], f"S{row['tensor']}", row["stride"]) for row in layout["rows"]]
+        for layer, entry in enumerate(layout.get("layers", [])):
             described.append((layer, "K", entry["k_stride"]))
             if not layout["v_aliases_k"]:
                 described.append((layer, "V", entry["v_stride"]))
@@ -444,6 +470,13 @@ class KvTransfer(PullMode, GrantMode):
         """The peer with its send and pull plans (pagedkv.tiers.head_plan)."""
         layout = info["layout"]
         rank, size = int(layout.get("tp_rank", 0)), int(layout.get("tp_size", 1))
+        if self._state:  # slots move whole, one run per stretch of consecutive slot pairs
+            plans = [(here.address, there.address, _Slots(here.stride), _Slots(there.stride),
+                      np.array([[0, 0, here.stride]], np.int64)) for here, there in zip(self._pools, pools)]
+            back = [(there.address, here.address, _Slots(there.stride), _Slots(here.stride),
+                     np.array([[0, 0, here.stride]], np.int64)) for here, there in zip(self._pools, pools)]
+            return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
+                         0, 1, tuple(plans), tuple(back), info)
         mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
         my_rank, my_size = self._layout["tp_rank"], self._layout["tp_size"]
         sends_replicas = my_rank == head_plan.replica_sender(rank, my_size, size)
@@ -483,21 +516,10 @@ class KvTransfer(PullMode, GrantMode):
 
     # -- transfers --------------------------------------------------------------------
 
-    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"", grant: bytes | None = None) -> TransferHandle:
-        """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
-        the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
-        descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
-        reaches the peer's `notifications()` once the bytes have landed. Returns the handle
-        to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
-        either side (IndexError naming it and the side's size), a free source block, lists of
-        different or zero length, a repeated destination (ValueError naming it), a notify
-        that is not bytes. Work the caller enqueued on the source blocks must be complete.
-
-        `grant` is the receiver's ticket (`grant`) for these destination blocks: refused,
-        before anything is sent, when it is another receiver's or for another sender, or when
-        a destination block is not in it (ValueError naming the block); its id travels with
-        the notification, which the receiver checks. A receiver made with require_grants=True
-        (its metadata says so) refuses a send without one here."""
+    def checked_send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"",
+                     grant: bytes | None = None) -> tuple:
+        """(peer, src, dst, notify as sent) of a `send` after every one of its checks, nothing
+        sent: for a caller that must refuse a send of several agents before any of them posts."""
         self._check_open()
         info = self._peer(peer)
         src = _blocks(src_blocks, self._num_blocks, "src_blocks", "this cache")
@@ -528,6 +550,24 @@ class KvTransfer(PullMode, GrantMode):
             notify = notify_prefix(body["grant"]) + bytes(notify)
         elif info.info.get("grants") is True:
             raise ValueError(f"peer {info.name!r} requires a grant for every send: pass grant=<its grant ticket>")
+        return info, src, dst, notify
+
+    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"", grant: bytes | None = None) -> TransferHandle:
+        """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
+        the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
+        descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
+        reaches the peer's `notifications()` once the bytes have landed. Returns the handle
+        to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
+        either side (IndexError naming it and the side's size), a free source block, lists of
+        different or zero length, a repeated destination (ValueError naming it), a notify
+        that is not bytes. Work the caller enqueued on the source blocks must be complete.
+
+        `grant` is the receiver's ticket (`grant`) for these destination blocks: refused,
+        before anything is sent, when it is another receiver's or for another sender, or when
+        a destination block is not in it (ValueError naming the block); its id travels with
+        the notification, which the receiver checks. A receiver made with require_grants=True
+        (its metadata says so) refuses a send without one here."""
+        info, src, dst, notify = self.checked_send(peer, src_blocks, dst_blocks, notify, grant)
         local, remote = self._descriptors(info, info.send_plans, src, dst)
         nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
         nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)

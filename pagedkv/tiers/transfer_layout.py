@@ -1,12 +1,15 @@
 """The layout description KvTransfer peers exchange, and the checks made on a peer's: what
 cannot be mapped (`layout_differences`), what contradicts itself (`layout_lies`), and the
-pools it implies (`pool_geometries`, for pagedkv.tiers.head_plan)."""
+pools it implies (`pool_geometries`, for pagedkv.tiers.head_plan). A hybrid cache's state
+group has its own description (`state_layout_of`): slot rows that move whole."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from typing import Any
+
+import numpy as np
 
 from ..core.dtype import KvCacheDtype, side_bytes
 from ..core.layout import SideLayout
@@ -59,6 +62,52 @@ def layout_of(cache: Any) -> dict:
     }
 
 
+def state_layout_of(group: Any) -> dict:
+    """The layout description of a hybrid cache's state group (a `StateGroup`): the
+    versions, `kind: "state"` and per slot row (layer, then state tensor) its layer, tensor,
+    dtype, shape, bytes and slot stride. Slots move whole, so peers must agree on all of it
+    (the slot count aside)."""
+    pools = group.pools()
+    rows = [{"layer": layer, "tensor": t, "dtype": str(np.dtype(dtype)), "shape": [int(n) for n in shape],
+             "nbytes": pools.tensor_bytes(t), "stride": pools.stride(t)}
+            for layer in group.layers for t, (shape, dtype) in enumerate(pools.group().state)]
+    return {"layout_version": LAYOUT_VERSION, "formats_version": FORMATS_VERSION, "kind": "state", "rows": rows,
+            "tp_rank": 0, "tp_size": 1}
+
+
+def is_state_layout(layout: dict) -> bool:
+    """True for the description of a state group (`state_layout_of`)."""
+    return layout.get("kind") == "state"
+
+
+def _state_differences(mine: dict, theirs: dict) -> list[str]:
+    out = []
+    for key in ("layout_version", "formats_version", "kind"):
+        if mine.get(key) != theirs.get(key):
+            out.append(f"{key}: here {mine.get(key)!r}, peer {theirs.get(key)!r}")
+    a, b = mine.get("rows", []), theirs.get("rows", [])
+    if len(a) != len(b):
+        out.append(f"state rows: here {len(a)}, peer {len(b)}")
+    for i, (x, y) in enumerate(zip(a, b)):
+        for key in ("layer", "tensor", "dtype", "shape", "nbytes", "stride"):
+            if x.get(key) != y.get(key):
+                out.append(f"state row {i} {key}: here {x.get(key)!r}, peer {y.get(key)!r}")
+    return out
+
+
+def _state_lies(layout: dict) -> list[str]:
+    out = []
+    try:
+        for i, row in enumerate(layout.get("rows", [])):
+            want = int(np.prod(row["shape"], dtype=np.int64)) * np.dtype(row["dtype"]).itemsize
+            if row["nbytes"] != want or row["stride"] < want or row["stride"] % 16:
+                out.append(f"state row {i} of {row['dtype']}{row['shape']} says {row['nbytes']} bytes in slots of "
+                           f"{row['stride']}, but takes {want} (16-byte aligned slots)")
+    except (KeyError, TypeError, ValueError) as err:
+        out.append(f"broken state row description: {type(err).__name__}: {err}")
+    return out
+
+
 def fingerprint(layout: dict) -> str:
     """A short stable hash of a layout description (what logs and error messages show)."""
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
@@ -71,6 +120,8 @@ def layout_differences(mine: dict, theirs: dict) -> list[str]:
     Between the same TP sizes every layer's local heads and strides must match; between
     different ones the global heads and the bytes per head. The fp8 scales must match when
     either side has a layer with an fp8 side (the bytes mean `e4m3 * scale`)."""
+    if is_state_layout(mine) or is_state_layout(theirs):
+        return _state_differences(mine, theirs)
     out = []
     keys = ["layout_version", "formats_version", "block_size", "num_layers", "v_aliases_k", "window"]
     if _has_fp8(mine) or _has_fp8(theirs):
@@ -111,6 +162,8 @@ def layout_lies(layout: dict) -> list[str]:
     """Where a layout description contradicts itself: a stride that its layer's format,
     heads, head_dim and block size do not give, or a head range outside its global heads
     (a peer whose metadata was edited, or that lies about its pools). Empty when consistent."""
+    if is_state_layout(layout):
+        return _state_lies(layout)
     out = []
     block_size = layout.get("block_size")
     try:

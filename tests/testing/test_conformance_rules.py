@@ -127,6 +127,16 @@ class CopiesBlocksBackwards(HostBackend):
         super().copy_blocks(regions, dst, src, stream)
 
 
+class CopiesOnlyWholeStrideRows(HostBackend):
+    """copy_blocks that skips region rows narrower than their stride (state slot rows are)."""
+
+    def copy_blocks(self, regions, src, dst, stream):
+        from pagedkv.backends.protocol import BlockRegions
+
+        rows = [(int(b), int(st), int(n)) for b, st, n in zip(regions.bases, regions.strides, regions.nbytes) if n == st]
+        super().copy_blocks(BlockRegions.from_rows(rows), src, dst, stream)
+
+
 PLANTED = [
     (FakeAddressesNoView, "cpu_addresses_are_host_memory", "+ 300 bytes is not readable host memory of this process"),
     (ClaimsPinned, "capabilities_consistent", "states 'pinned' but has no alloc_pinned, copy_h2d_async, copy_d2h_async"),
@@ -144,6 +154,7 @@ PLANTED = [
     (MemsetsRunAtSynchronize, "stream_order", "after six ordered calls"),
     (WritesBeforeBoundsCheck, "block_calls_refuse_bad_arguments", "after refused block calls"),
     (CopiesBlocksBackwards, "cache_core", "zero, poison, init and copy"),
+    (CopiesOnlyWholeStrideRows, "hybrid_state_slots", "copy_state, poison and init: state slot 2 tensor 1"),
 ]
 
 
