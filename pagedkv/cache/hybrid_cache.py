@@ -49,8 +49,22 @@ class StateGroup:
         self.layers = layers
         self._pools = pools
         self._allocator = allocator
+        self._holders: dict[int, str] = {}  # id(holder) -> label, as PagedKvCache keeps them
         for name in _BOUND:
             setattr(self, name, getattr(allocator, name))
+
+    def hold(self, holder: object, label: str) -> None:
+        """Record `holder` (named `label`) as using the slot pools: the hybrid cache's
+        `release` is refused until `let_go(holder)`."""
+        self._holders[id(holder)] = label
+
+    def let_go(self, holder: object) -> None:
+        """Undo `hold` (a no-op for a holder not recorded)."""
+        self._holders.pop(id(holder), None)
+
+    def holders(self) -> list[str]:
+        """The labels of the holders recorded by `hold`."""
+        return list(self._holders.values())
 
     def pools(self) -> StatePools:
         """The slot pools."""
@@ -329,7 +343,12 @@ class HybridKvCache:
         return f"HybridKvCache({self._config.num_layers} layers in {self.num_groups()} groups)"
 
     def release(self, gpu: GpuBackend) -> None:
-        """Release every group's pools (each attempted, the first error raised)."""
+        """Release every group's pools (each attempted, the first error raised). KvCacheError,
+        nothing released, while a holder (an open KvTransfer of a group) uses any group."""
+        held = [label for group in self._groups for label in group.holders()]
+        if held:
+            raise KvCacheError(f"release of {self.label()} while {', '.join(held)} still uses its pools: "
+                               "close it first (nothing was released)")
         self._release_groups(gpu, raise_first=True)
 
     def _release_groups(self, gpu: GpuBackend, raise_first: bool) -> None:

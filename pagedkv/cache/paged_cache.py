@@ -385,6 +385,10 @@ class PagedKvCache(CacheGeometry):
         """Undo `hold` (a no-op for a holder not recorded)."""
         self._holders.pop(id(holder), None)
 
+    def holders(self) -> list[str]:
+        """The labels of the holders recorded by `hold` (what must close before `release`)."""
+        return list(self._holders.values())
+
     def guard(self) -> ThreadGuard | None:
         """The ThreadGuard the cache's mutating methods enter (its prefix cache's), or None."""
         return self._guard

@@ -39,6 +39,10 @@ class DtypeTable(dict):
     def __contains__(self, name) -> bool:
         return dict.__contains__(self, name) or name in self._lazy
 
+    def names(self) -> list[str]:
+        """Every name the table holds, those not yet resolved included."""
+        return list(dict.keys(self)) + [n for n in self._lazy if not dict.__contains__(self, n)]
+
     def get(self, name, default=None):
         """`self[name]`, or `default` for a name it does not hold."""
         return self[name] if name in self else default

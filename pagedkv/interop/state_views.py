@@ -26,12 +26,14 @@ from ..backends.protocol import DevicePtr
 from ..core.streams import stream_handle
 from .views import NUMPY_DTYPES, _Layout, _MemoryExport, dlpack_device_of
 
-_NAMES = {dtype: name for name, dtype in NUMPY_DTYPES.items() if name != "float8_e4m3fn"}
+_NAMES: dict = {}  # np.dtype -> DLPack name, filled on first use (bfloat16 needs ml_dtypes)
 _BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 def dlpack_name(dtype: np.dtype) -> str | None:
     """The DLPack dtype name of a state tensor's dtype, or None when a view cannot carry it."""
+    if not _NAMES:
+        _NAMES.update({NUMPY_DTYPES[name]: name for name in NUMPY_DTYPES.names() if name != "float8_e4m3fn"})
     return _NAMES.get(np.dtype(dtype))
 
 

@@ -77,6 +77,7 @@ def swap_out(table, seq_id: Hashable, tier, stream: Any) -> ParkedSequence:
     del table._seqs[seq_id]
     cache = table._cache
     for g in table._attn:
+        table._release_extra(seq, g, 0)  # the last step's extra reads are done: freed, not parked
         cache.group(g).free_blocks(device[g])
     for g in table._states:
         cache.group(g).free_slots(device[g], table._gpu, table._stream)

@@ -114,12 +114,41 @@ _LAYOUT_INTS = ("layout_version", "formats_version", "block_size", "num_layers",
 _LAYER_INTS = ("num_kv_heads", "global_heads", "head_start", "head_dim", "k_stride", "v_stride")
 
 
+MAX_STATE_ROWS = 1 << 14
+"""A state group's layout lists at most this many slot rows (layers x state tensors)."""
+
+
+def _state_layout(layout: dict) -> dict:
+    """The checks of a hybrid cache's state-group layout (`transfer_layout.state_layout_of`)."""
+    for key in ("formats_version", "tp_rank", "tp_size"):
+        _int(layout.get(key), f"layout.{key}", 1 if key == "tp_size" else 0)
+    rows = layout.get("rows")
+    if type(rows) is not list or not 1 <= len(rows) <= MAX_STATE_ROWS:
+        raise BadPeerMetadata(f"peer_metadata field layout.rows must be a list of 1 to {MAX_STATE_ROWS} state rows, "
+                              f"got {type(rows).__name__} {rows!r:.40}")
+    for i, row in enumerate(rows):
+        if type(row) is not dict:
+            raise BadPeerMetadata(f"peer_metadata field layout.rows[{i}] must be an object, got {row!r:.40}")
+        for key in ("layer", "tensor", "nbytes", "stride"):
+            _int(row.get(key), f"layout.rows[{i}].{key}", 1 if key in ("nbytes", "stride") else 0)
+        _str(row.get("dtype"), f"layout.rows[{i}].dtype", 64)
+        shape = row.get("shape")
+        if type(shape) is not list or len(shape) > 8:
+            raise BadPeerMetadata(f"peer_metadata field layout.rows[{i}].shape must be a list of at most 8 ints, "
+                                  f"got {shape!r:.40}")
+        for n in shape:
+            _int(n, f"layout.rows[{i}].shape", 1)
+    return layout
+
+
 def _layout(layout: object) -> dict:
     if type(layout) is not dict:
         raise BadPeerMetadata(f"peer_metadata field layout must be an object, got {type(layout).__name__}")
     version = layout.get("layout_version")
     if version != LAYOUT_VERSION:
         raise BadPeerMetadata(f"peer_metadata layout version {version!r:.40} is not {LAYOUT_VERSION}")
+    if layout.get("kind") == "state":
+        return _state_layout(layout)
     for key in _LAYOUT_INTS:
         _int(layout.get(key), f"layout.{key}", 1 if key in ("block_size", "num_layers", "tp_size") else 0)
     if type(layout.get("v_aliases_k")) is not bool:
@@ -180,8 +209,9 @@ def parse(blob: object) -> tuple[dict, bytes]:
     _int(info["leases"], "leases")
     layout = _layout(info["layout"])
     pools = info["pools"]
-    if type(pools) is not list or len(pools) > 2 * layout["num_layers"]:
-        raise BadPeerMetadata(f"peer_metadata field pools must be a list of at most {2 * layout['num_layers']} "
+    most = len(layout["rows"]) if layout.get("kind") == "state" else 2 * layout["num_layers"]
+    if type(pools) is not list or len(pools) > most:
+        raise BadPeerMetadata(f"peer_metadata field pools must be a list of at most {most} "
                               f"pools, got {type(pools).__name__} of {len(pools) if type(pools) is list else '?'}")
     for i, pool in enumerate(pools):
         if type(pool) is not list or len(pool) != 4 or type(pool[1]) is not str:

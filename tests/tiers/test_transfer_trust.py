@@ -331,3 +331,66 @@ def test_grants_let_a_sender_write_only_the_granted_blocks(pair):
     with pytest.raises(GrantViolation, match="peer 'a' notified a transfer under grant 2, which is no open grant"):
         tb.wait_notifications(WAIT)
     assert [b.ref_count(x) for x in dst] == [1, 1, 1]
+
+
+# -- a hybrid cache's state group: its own layout, checked as strictly --------------------
+
+
+def state_info():
+    from pagedkv.core.layer_groups import LayerGroup
+    from pagedkv.tiers.transfer_layout import state_layout_of
+
+    config = KvCacheConfig(4, 1, 16, 2, "bf16", layer_groups=(
+        LayerGroup("full", (0,)), LayerGroup("state", (1,), state=(((4, 2), "float32"), ((3,), "bfloat16")))))
+    gpu = HostBackend(1 << 22)
+    cache = PagedKvCache(config, 8, gpu)
+    layout = state_layout_of(cache.group(1))
+    return {"name": "peer#g1", "num_blocks": 8, "mem_type": "DRAM", "device_id": 0, "layout": layout,
+            "pools": [[1, "S0", 4096, 32], [1, "S1", 8192, 16]], "leases": 0}
+
+
+STATE_EDITS = {
+    "rows missing": (edit(["layout", "rows"], None), "field layout.rows must be a list of 1 to 16384 state rows"),
+    "row not object": (edit(["layout", "rows", 0], [1]), r"field layout.rows\[0\] must be an object"),
+    "shape str": (edit(["layout", "rows", 0, "shape"], "4x2"), r"field layout.rows\[0\].shape must be a list"),
+    "shape zero": (edit(["layout", "rows", 1, "shape"], [0]), r"field layout.rows\[1\].shape must be an int in \[1"),
+    "stride zero": (edit(["layout", "rows", 1, "stride"], 0), r"field layout.rows\[1\].stride must be an int in \[1"),
+    "dtype int": (edit(["layout", "rows", 0, "dtype"], 4), r"field layout.rows\[0\].dtype must be a non-empty str"),
+    "too many pools": (edit(["pools"], [[1, "S0", 4096, 32]] * 3), "field pools must be a list of at most 2 pools"),
+}
+
+
+def test_a_state_group_layout_parses():
+    info, _ = tm.parse(blob_of(state_info()))
+    assert [(r["layer"], r["tensor"], r["dtype"], r["shape"]) for r in info["layout"]["rows"]] == [
+        (1, 0, "float32", [4, 2]), (1, 1, "bfloat16", [3])]
+
+
+@pytest.mark.parametrize("case", STATE_EDITS)
+def test_a_wrong_state_layout_field_is_a_bad_peer_metadata_naming_it(case):
+    change, message = STATE_EDITS[case]
+    info = state_info()
+    nixl = b"nixl-part"
+    info.update(nixl_bytes=len(nixl), nixl_digest=tm.digest(nixl))
+    change(info)
+    with pytest.raises(BadPeerMetadata, match=message):
+        tm.parse(raw_blob(json.dumps(info).encode(), nixl))
+
+
+def test_a_hybrid_cache_whose_group_is_held_refuses_release_and_releases_nothing():
+    from pagedkv.core.layer_groups import LayerGroup
+
+    config = KvCacheConfig(4, 1, 16, 2, "bf16", layer_groups=(
+        LayerGroup("full", (0,)), LayerGroup("state", (1,), state=(((4,), "float32"),))))
+    gpu = HostBackend(1 << 22)
+    cache = PagedKvCache(config, 8, gpu)
+    holder = object()
+    cache.group(1).hold(holder, "KvTransfer 'x#g1'")
+    with pytest.raises(KvCacheError, match="while KvTransfer 'x#g1' still uses its pools"):
+        cache.release(gpu)
+    assert cache.group(0).alloc_blocks(1) == [0] and cache.group(1).alloc_blocks(1) == [0]  # both live
+    cache.group(1).let_go(holder)
+    cache.group(0).free_blocks([0])
+    cache.group(1).free_blocks([0])
+    cache.release(gpu)
+    assert gpu.live_allocations() == 0
