@@ -126,6 +126,12 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             tier = prefix_cache.host_tier()
             if tier is not None and gpu is not None and gpu is not tier.gpu():
                 raise ValueError("gpu is not the backend of the prefix cache's host tier")
+        if gpu is not None:
+            try:
+                cache.pools().check_backend(gpu)
+            except KvCacheError:
+                raise ValueError(f"gpu {type(gpu).__name__} {gpu!r:.60} is not the backend the cache was built on "
+                                 "(a table initialises and copies the cache's blocks with it)") from None
         self._cache = cache
         self._prefix = prefix_cache
         self._gpu = gpu
