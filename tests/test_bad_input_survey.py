@@ -11,8 +11,8 @@ Accepted on purpose (not refused, documented here and in the README):
 - `tier.read_block` of a free host block reads its last bytes (a diagnostic read).
 - A second `free_blocks` of a `match()` result while a sequence also holds the blocks: the
   counts cannot tell whose reference it drops; the sequence's later free raises.
-- `PrefixCache(swap_stream=99)` and other int stream handles: a stream is an opaque handle
-  the backend checks when work is enqueued on it (HostBackend has no stream table).
+- A stream handle on a backend without `check_stream` (CudaBackend: a handle is a driver
+  pointer it cannot check without using it) is checked when work is enqueued on it.
 """
 
 from __future__ import annotations
@@ -109,6 +109,10 @@ CASES = {
     "k_view of an object": (lambda w: w.cache.k_view(0, object()), "another backend"),
     "k_view readonly=1": (lambda w: w.cache.k_view(0, w.gpu, readonly=1), "readonly must be a bool, got 1"),
     "k_view stream str": (lambda w: w.cache.k_view(0, w.gpu, stream="s"), "stream"),
+    "k_view stream 99": (lambda w: w.cache.k_view(0, w.gpu, stream=99), "unknown stream 99"),
+    "SequenceTable stream 99": (lambda w: SequenceTable(w.elastic, None, w.elastic_gpu, stream=99), "unknown stream 99"),
+    "PrefixCache swap_stream 99": (lambda w: PrefixCache(w.elastic, host_tier=HostTier(w.elastic, 2, w.elastic_gpu),
+                                                         swap_stream=99), "unknown stream 99"),
     "scale_view of bf16": (lambda w: w.cache.k_view(0, w.gpu).scale_view(), "no scale section"),
     "release while an export is alive": (
         lambda w: (setattr(w, "held_export", np.from_dlpack(w.cache.k_view(0, w.gpu).bits_view())), w.cache.release(w.gpu)),

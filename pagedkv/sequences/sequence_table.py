@@ -137,6 +137,9 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         self._gpu = gpu
         self._stream = stream
         stream_handle(stream)  # an int or a __cuda_stream__ object; the object is kept for the backend
+        check = getattr(gpu, "check_stream", None)
+        if check is not None:  # a backend that knows its streams: an unknown one refused now
+            check(stream)
         self._bs = cache.block_size()
         self._window = cache.config().cache_blocks_per_seq
         self._seqs: dict[Hashable, _Seq] = {}
