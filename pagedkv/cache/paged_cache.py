@@ -152,7 +152,7 @@ class PagedKvCache(CacheGeometry):
         if self._holders:
             raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
                                "uses its pools: close it first (nothing was released)")
-        if self._views and not self._allocator.released():
+        if not self._allocator.released():
             from ..interop.dlpack import live_exports_of
 
             exported = live_exports_of(self._exported_here)
