@@ -117,6 +117,14 @@ CASES = {
     "release while an export is alive": (
         lambda w: (setattr(w, "held_export", np.from_dlpack(w.cache.k_view(0, w.gpu).bits_view())), w.cache.release(w.gpu)),
         "DLPack export(s) of its pools are alive"),
+    "fill_blocks on another backend": (lambda w: w.cache.fill_blocks(w.table.blocks("a"), 7, HostBackend(1 << 20), 0),
+                                       "fill_blocks with HostBackend"),
+    "write_tokens on another backend": (lambda w: w.cache.write_tokens(
+        0, [w.table.blocks("b")[0] * BS], np.ones((1, 1, 16), np.float32), np.ones((1, 1, 16), np.float32),
+        HostBackend(1 << 20), 0), "write_tokens with HostBackend"),
+    "read_block on another backend": (lambda w: w.cache.read_block(0, 0, HostBackend(1 << 20)), "read_block with"),
+    "plan_layer_reads on another backend": (lambda w: w.cache.plan_layer_reads([0], [None], [None], object()),
+                                            "plan_layer_reads with object"),
     # exports
     "block_table of a set": (lambda w: w.table.block_table({"a", "b"}), "must be ordered"),
     "block_table of dict keys": (lambda w: w.table.block_table({"a": 1}.keys()), "must be ordered"),

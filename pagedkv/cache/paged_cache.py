@@ -420,6 +420,7 @@ class PagedKvCache(CacheGeometry):
 
     def fill_blocks(self, blocks: Sequence[int], value: int, gpu: GpuBackend, stream: int) -> None:
         """Set every byte of the listed blocks, in every layer's K and V pool, to `value`."""
+        self._pools.check_backend(gpu, "fill_blocks")
         idx = self._blocks(blocks)
         if idx.size:
             gpu.fill_blocks(self._pools.regions(), idx, value, stream)
@@ -429,6 +430,7 @@ class PagedKvCache(CacheGeometry):
         and V pool, in one backend call (the copy-on-write primitive). Each destination must
         be held (count > 0) and not in the prefix cache: refused naming the block otherwise,
         before anything is copied."""
+        self._pools.check_backend(gpu, "copy_blocks")
         if pairs is None or isinstance(pairs, (str, bytes)):
             raise TypeError(f"copy_blocks takes a sequence of (src, dst) pairs, got {pairs!r}")
         pairs = list(pairs)
@@ -444,6 +446,7 @@ class PagedKvCache(CacheGeometry):
 
     def read_block(self, layer: int, block: int, gpu: GpuBackend) -> tuple[np.ndarray, np.ndarray]:
         """(K bytes, V bytes) of `block` in `layer`, each its side's stride long (uint8)."""
+        self._pools.check_backend(gpu, "read_block")
         k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
         k = np.empty(self._pools.k_stride(layer), dtype=np.uint8)
         gpu.copy_d2h(k_ptr, k)
@@ -458,6 +461,7 @@ class PagedKvCache(CacheGeometry):
         left alone, and V is skipped under `v_aliases_k`. Data longer than the side's stride
         raises ValueError, and a block not held (count 0) or in the prefix cache is refused
         naming it, before anything is written."""
+        self._pools.check_backend(gpu, "write_block")
         k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
         self._allocator.check_writable([int(block)])
         aliased = self._config.v_aliases_k
@@ -480,6 +484,7 @@ class PagedKvCache(CacheGeometry):
         offset`, -1 skips), each side in its own format; see `pagedkv.kv_rows.write_tokens`.
         Every destination block must be held (count > 0) and not in the prefix cache:
         refused naming the block otherwise, before anything is written."""
+        self._pools.check_backend(gpu, "write_tokens")
         kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
                              check_blocks=self._allocator.check_writable,
                              nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr))
@@ -490,6 +495,7 @@ class PagedKvCache(CacheGeometry):
         rows `k_rows[i]`, `v_rows[i]`, each `plan.write(slots, stream)` one launch on
         CudaBackend (a `write_tokens` per layer elsewhere, destination blocks checked as
         there); `plan.close()` frees its device table."""
+        self._pools.check_backend(gpu, "plan_layer_writes")
         return kv_prefill.LayerWritePlan(
             self._pools, layers, k_rows, v_rows, gpu, k_scale, v_scale,
             nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr),
@@ -500,6 +506,7 @@ class PagedKvCache(CacheGeometry):
         """A `pagedkv.kv_prefill.LayerReadPlan`: the reads of `layers` into the device outputs
         `out_k[i]`, `out_v[i]`, each `plan.read(slots, stream)` one launch on CudaBackend (a
         `read_tokens` per layer elsewhere); `plan.close()` frees its device table."""
+        self._pools.check_backend(gpu, "plan_layer_reads")
         return kv_prefill.LayerReadPlan(self._pools, layers, out_k, out_v, gpu, unrotate, k_scale, v_scale)
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
@@ -507,6 +514,7 @@ class PagedKvCache(CacheGeometry):
                     stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) float32 rows decoded from `layer`'s slots, or the device output form
         (`out_k`, `out_v`, enqueued on `stream`); see `pagedkv.kv_rows.read_tokens`."""
+        self._pools.check_backend(gpu, "read_tokens")
         return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale,
                                    out_k=out_k, out_v=out_v, stream=stream)
 
