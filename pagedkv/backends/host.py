@@ -164,6 +164,11 @@ class HostBackend:
         if handle not in self._streams:
             raise ValueError(f"unknown stream {handle!r}")
 
+    def check_stream(self, stream: object) -> None:
+        """ValueError naming `stream` unless it is 0 or a live `create_stream` handle (what
+        a library checks when it is given a stream, before enqueueing anything on it)."""
+        self._check_stream(stream)
+
     def synchronize(self, stream: int) -> None:
         """Nothing to wait for (work runs at once); validates the handle."""
         self._check_stream(stream)

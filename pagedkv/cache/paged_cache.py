@@ -152,7 +152,7 @@ class PagedKvCache(CacheGeometry):
         if self._holders:
             raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
                                "uses its pools: close it first (nothing was released)")
-        if self._views and not self._allocator.released():
+        if not self._allocator.released():
             from ..interop.dlpack import live_exports_of
 
             exported = live_exports_of(self._exported_here)
@@ -429,6 +429,7 @@ class PagedKvCache(CacheGeometry):
 
     def fill_blocks(self, blocks: Sequence[int], value: int, gpu: GpuBackend, stream: int) -> None:
         """Set every byte of the listed blocks, in every layer's K and V pool, to `value`."""
+        self._pools.check_backend(gpu, "fill_blocks")
         idx = self._blocks(blocks)
         if idx.size:
             gpu.fill_blocks(self._pools.regions(), idx, value, stream)
@@ -438,6 +439,7 @@ class PagedKvCache(CacheGeometry):
         and V pool, in one backend call (the copy-on-write primitive). Each destination must
         be held (count > 0) and not in the prefix cache: refused naming the block otherwise,
         before anything is copied."""
+        self._pools.check_backend(gpu, "copy_blocks")
         if pairs is None or isinstance(pairs, (str, bytes)):
             raise TypeError(f"copy_blocks takes a sequence of (src, dst) pairs, got {pairs!r}")
         pairs = list(pairs)
@@ -453,6 +455,7 @@ class PagedKvCache(CacheGeometry):
 
     def read_block(self, layer: int, block: int, gpu: GpuBackend) -> tuple[np.ndarray, np.ndarray]:
         """(K bytes, V bytes) of `block` in `layer`, each its side's stride long (uint8)."""
+        self._pools.check_backend(gpu, "read_block")
         k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
         k = np.empty(self._pools.k_stride(layer), dtype=np.uint8)
         gpu.copy_d2h(k_ptr, k)
@@ -467,6 +470,7 @@ class PagedKvCache(CacheGeometry):
         left alone, and V is skipped under `v_aliases_k`. Data longer than the side's stride
         raises ValueError, and a block not held (count 0) or in the prefix cache is refused
         naming it, before anything is written."""
+        self._pools.check_backend(gpu, "write_block")
         k_ptr, v_ptr = self._pools.block_ptrs(layer, block)
         self._allocator.check_writable([int(block)])
         aliased = self._config.v_aliases_k
@@ -503,6 +507,7 @@ class PagedKvCache(CacheGeometry):
         config's `k_scale` / `v_scale`; a scale given here must equal it (ValueError naming
         both otherwise)."""
         k_scale, v_scale = self._scales(k_scale, v_scale)
+        self._pools.check_backend(gpu, "write_tokens")
         kv_rows.write_tokens(self._pools, layer, slots, k, v, gpu, stream, k_scale, v_scale,
                              check_blocks=self._allocator.check_writable,
                              nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr))
@@ -514,6 +519,7 @@ class PagedKvCache(CacheGeometry):
         CudaBackend (a `write_tokens` per layer elsewhere, destination blocks checked as
         there); `plan.close()` frees its device table. Scales as `write_tokens`."""
         k_scale, v_scale = self._scales(k_scale, v_scale)
+        self._pools.check_backend(gpu, "plan_layer_writes")
         return kv_prefill.LayerWritePlan(
             self._pools, layers, k_rows, v_rows, gpu, k_scale, v_scale,
             nonfinite=0 if self._nonfinite is None else int(self._nonfinite.ptr),
@@ -526,6 +532,7 @@ class PagedKvCache(CacheGeometry):
         `read_tokens` per layer elsewhere); `plan.close()` frees its device table. Scales as
         `read_tokens`."""
         k_scale, v_scale = self._scales(k_scale, v_scale)
+        self._pools.check_backend(gpu, "plan_layer_reads")
         return kv_prefill.LayerReadPlan(self._pools, layers, out_k, out_v, gpu, unrotate, k_scale, v_scale)
 
     def read_tokens(self, layer: int, slots, gpu: GpuBackend, unrotate: bool = True,
@@ -535,6 +542,7 @@ class PagedKvCache(CacheGeometry):
         (`out_k`, `out_v`, enqueued on `stream`); see `pagedkv.kv_rows.read_tokens`. fp8
         sides use the config's scales, as `write_tokens`."""
         k_scale, v_scale = self._scales(k_scale, v_scale)
+        self._pools.check_backend(gpu, "read_tokens")
         return kv_rows.read_tokens(self._pools, layer, slots, gpu, unrotate, k_scale, v_scale,
                                    out_k=out_k, out_v=out_v, stream=stream)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ..kv.quality import describe, format_table, format_tier_table, quality_table, tier_table
+from ..kv.quality import describe, format_row, format_tier_table, quality_rows, table_head, tier_table
 from .args import UsageError, int_in, non_negative_int, positive_int
 
 MAX_ELEMENTS = 1 << 22
@@ -29,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
               "device values (ratio: device bytes / tier bytes)")
         print(format_tier_table(tier_table(args.tokens, args.heads, args.head_dim, args.seed)))
         return 0
-    print(format_table(quality_table(args.tokens, args.heads, args.head_dim, args.seed)))
+    for line in table_head():
+        print(line)
+    for row in quality_rows(args.tokens, args.heads, args.head_dim, args.seed):
+        print(format_row(row))  # each format as soon as it is measured
+        sys.stdout.flush()
     return 0
 
 

@@ -197,6 +197,9 @@ class PoolView(_MemoryExport):
         if not isinstance(readonly, bool):
             raise ValueError(f"readonly must be a bool, got {readonly!r}")
         stream_handle(stream)  # validates; the object itself is kept for the backend
+        check = getattr(gpu, "check_stream", None)
+        if check is not None:  # a backend that knows its streams: an unknown one refused when asked
+            check(stream)
         self._dl_device = dlpack_device_of(gpu)  # fixed: the backend's device kind does not change
         self._templates: dict[tuple[bool, int], CapsuleTemplate] = {}
         config = cache.config()

@@ -98,12 +98,14 @@ class KvPools:
 
     # -- release ----------------------------------------------------------------------
 
-    def check_backend(self, gpu: object) -> None:
-        """KvCacheError unless `gpu` is the backend the pools were allocated on."""
+    def check_backend(self, gpu: object, what: str = "release") -> None:
+        """KvCacheError, naming `what` was called, unless `gpu` is the backend the pools were
+        allocated on."""
         if gpu is not self._gpu:
+            tail = "release them with that backend" if what == "release" else "use that backend"
             raise KvCacheError(
-                f"release with {type(gpu).__name__} {gpu!r:.60}: the pools were allocated on "
-                f"{type(self._gpu).__name__} {self._gpu!r:.60}; release them with that backend"
+                f"{what} with {type(gpu).__name__} {gpu!r:.60}: the pools were allocated on "
+                f"{type(self._gpu).__name__} {self._gpu!r:.60}; {tail}"
             )
 
     def release(self, gpu: GpuBackend) -> None:

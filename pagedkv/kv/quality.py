@@ -87,6 +87,12 @@ def _cosines(out: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 def quality_table(tokens: int = 512, heads: int = 8, head_dim: int = 128, seed: int = 0) -> list[QualityRow]:
     """One QualityRow per format (in KvCacheDtype order) on `synthetic_kv(tokens, heads, head_dim, seed)`."""
+    return list(quality_rows(tokens, heads, head_dim, seed))
+
+
+def quality_rows(tokens: int = 512, heads: int = 8, head_dim: int = 128, seed: int = 0):
+    """`quality_table`'s rows one at a time, each as soon as it is measured (a caller can
+    show them as they come)."""
     k, v, q = synthetic_kv(tokens, heads, head_dim, seed)
     cache: dict[tuple[str, KvCacheDtype, bool], np.ndarray] = {}
 
@@ -97,14 +103,13 @@ def quality_table(tokens: int = 512, heads: int = 8, head_dim: int = 128, seed: 
         return cache[key]
 
     reference = attention(q, side("k", k, KvCacheDtype.BF16, False), side("v", v, KvCacheDtype.BF16, False))
-    rows = []
     for fmt in KvCacheDtype:
         k_fmt, v_fmt = fmt.kv_pair()
         k_hat, v_hat = side("k", k, k_fmt, True), side("v", v, v_fmt, True)
         cos = _cosines(attention(q, k_hat, v_hat), reference)
         rotated = k_fmt.is_wht_rotated() or v_fmt.is_wht_rotated()
         k_raw, v_raw = side("k", k, k_fmt, False), side("v", v, v_fmt, False)
-        rows.append(
+        yield (
             QualityRow(
                 fmt=fmt,
                 bits=fmt.bits_per_element(),
@@ -117,27 +122,33 @@ def quality_table(tokens: int = 512, heads: int = 8, head_dim: int = 128, seed: 
                 attn_cos_mean_norot=float(_cosines(attention(q, k_raw, v_raw), reference).mean()) if rotated else None,
             )
         )
-    return rows
 
 
 def format_table(rows: list[QualityRow]) -> str:
     """The rows as a fixed-width text table, one format a line."""
+    return "\n".join([*table_head(), *map(format_row, rows)])
+
+
+def table_head() -> list[str]:
+    """The table's two head lines (column names, a rule)."""
     head = (
         f"{'format':<16} {'bits':>5} {'K relMSE':>9} {'(no rot)':>9} {'V relMSE':>9} {'(no rot)':>9} "
         f"{'attn cos':>9} {'cos min':>9} {'(no rot)':>9}"
     )
-    lines = [head, "-" * len(head)]
+    return [head, "-" * len(head)]
+
+
+def format_row(r: QualityRow) -> str:
+    """One row of the table."""
 
     def opt(value: float | None, spec: str) -> str:
         return format(value, spec) if value is not None else f"{'-':>9}"
 
-    for r in rows:
-        lines.append(
-            f"{str(r.fmt):<16} {r.bits:>5.2f} {r.k_rel_mse:>9.2e} {opt(r.k_rel_mse_norot, '>9.2e')} "
-            f"{r.v_rel_mse:>9.2e} {opt(r.v_rel_mse_norot, '>9.2e')} {r.attn_cos_mean:>9.6f} "
-            f"{r.attn_cos_min:>9.6f} {opt(r.attn_cos_mean_norot, '>9.6f')}"
-        )
-    return "\n".join(lines)
+    return (
+        f"{str(r.fmt):<16} {r.bits:>5.2f} {r.k_rel_mse:>9.2e} {opt(r.k_rel_mse_norot, '>9.2e')} "
+        f"{r.v_rel_mse:>9.2e} {opt(r.v_rel_mse_norot, '>9.2e')} {r.attn_cos_mean:>9.6f} "
+        f"{r.attn_cos_min:>9.6f} {opt(r.attn_cos_mean_norot, '>9.6f')}"
+    )
 
 
 def describe(tokens: int, heads: int, head_dim: int, seed: int) -> str:

@@ -154,6 +154,10 @@ class PrefixCache(RetentionApi):
             if host_tier is None:
                 raise ValueError("a disk tier sits below a host tier: give host_tier=HostTier(...) too")
         stream_handle(swap_stream)
+        if host_tier is not None:
+            check = getattr(host_tier.gpu(), "check_stream", None)
+            if check is not None:  # a backend that knows its streams (HostBackend): refused now, not at a swap
+                check(swap_stream)
         if disk_tier is not None:
             records = disk_tier.bind(host_tier)  # the last check: refuses another layout, reads nothing then
         self._swap_stream = swap_stream

@@ -127,11 +127,20 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             tier = prefix_cache.host_tier()
             if tier is not None and gpu is not None and gpu is not tier.gpu():
                 raise ValueError("gpu is not the backend of the prefix cache's host tier")
+        if gpu is not None:
+            try:
+                cache.pools().check_backend(gpu)
+            except KvCacheError:
+                raise ValueError(f"gpu {type(gpu).__name__} {gpu!r:.60} is not the backend the cache was built on "
+                                 "(a table initialises and copies the cache's blocks with it)") from None
         self._cache = cache
         self._prefix = prefix_cache
         self._gpu = gpu
         self._stream = stream
         stream_handle(stream)  # an int or a __cuda_stream__ object; the object is kept for the backend
+        check = getattr(gpu, "check_stream", None)
+        if check is not None:  # a backend that knows its streams: an unknown one refused now
+            check(stream)
         self._bs = cache.block_size()
         self._window = cache.config().cache_blocks_per_seq
         self._seqs: dict[Hashable, _Seq] = {}

@@ -208,11 +208,12 @@ class KvTransfer(PullMode, GrantMode):
     deregisters (and releases open leases), and must come before the cache is released.
     `clock` (wall-clock seconds, `time.time`) dates pull leases (pagedkv.tiers.leases).
 
-    Trust: a connected peer can write any block of this cache and read any registered pool
-    (NIXL registers whole pools); connect only to peers trusted with the whole cache. `allow`
-    (agent names) and `token` (bytes shared out of band) restrict whom `connect` accepts:
-    with either, a peer must be named or carry the token's tag (`PeerRefused` otherwise,
-    before anything is loaded). `require_grants=True` makes every write to this cache need a
+    Trust: whoever holds this agent's `metadata()` can write any block of this cache and
+    read any registered pool (NIXL registers whole pools, and a write or read needs only the
+    target's metadata): hand it only to peers trusted with the whole cache. `allow` (agent
+    names) and `token` (bytes shared out of band) restrict whom `connect` accepts, so this
+    agent never sends to or pulls from a peer it did not mean: with either, a peer must be
+    named or carry the token's tag (`PeerRefused` otherwise, before anything is loaded). `require_grants=True` makes every write to this cache need a
     grant (`grant`). At most `max_peers` peers' connections are kept loaded (DEFAULT_MAX_PEERS).
     The cache cannot be released while its KvTransfer is open. One open agent per name in a
     process (ValueError for a second)."""

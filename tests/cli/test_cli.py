@@ -298,3 +298,32 @@ def test_demo_reports_a_later_cache_that_does_not_fit_as_a_failed_check(monkeypa
     assert "  [skip] fork and copy-on-write: needs 'prefix reuse', which did not pass" in lines
     assert "  [ok]   nothing leaked: HostBackend reports 0 live allocations" in lines
     assert host.live_allocations() == 0
+
+
+def test_quality_prints_each_format_as_it_is_measured_and_a_bad_size_is_refused(capsys, monkeypatch):
+    from pagedkv.cli import quality as quality_module
+    from pagedkv.kv.quality import quality_rows as real_rows
+
+    seen = []
+
+    def rows(*args):
+        for row in real_rows(*args):
+            seen.append(capsys.readouterr().out.count("\n"))  # lines already out before this row is given
+            yield row
+
+    monkeypatch.setattr(quality_module, "quality_rows", rows)
+    assert main(["quality", "--tokens", "16", "--heads", "1", "--head-dim", "16"]) == 0
+    assert seen[0] == 3 and seen[1:] == [1] * (len(seen) - 1)  # description and head, then one row at a time
+    assert main(["quality", "--tokens", "1"]) == 2
+    assert main(["quality", "--tokens", "4096", "--heads", "8", "--head-dim", "256"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("pagedkv quality: argument --tokens: must be an integer from 2 to 4,194,304")
+    assert err[1] == ("pagedkv quality: --tokens 4096 x --heads 8 x --head-dim 256 is 8,388,608 values, over the "
+                      "bound of 4,194,304 (every format's copy is kept in memory); use fewer tokens")
+
+
+def test_an_output_that_cannot_be_written_is_one_line_on_stderr_and_status_1():
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "plan", "--layers", "2", "--kv-heads", "1",
+                           "--head-dim", "16", "--memory", "1GiB"], stdout=open("/dev/full", "w"),
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (1, "pagedkv plan: cannot write the output: No space left on device\n")

@@ -9,7 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from fault_injection import CONFIG, InjectedFault, new_backend
-from pagedkv import PagedKvCache, PrefixCache, SequenceTable
+from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.tiers.host_tier import HostTier
 
 
@@ -118,3 +118,51 @@ def test_an_event_whose_record_fails_leaves_the_stream_waited_and_nothing_record
     assert gpu.plan.calls[-1] == "synchronize"  # the copy is known finished before the error
     assert gpu.live_events() == 0
     _release(gpu, cache, tier)
+
+
+def test_abandoned_blocks_are_free_only_once_their_swap_is_done_and_keep_destroys_the_event():
+    """The README's abandon / keep paragraph."""
+    gpu = HostBackend(1 << 22)
+    cache = PagedKvCache(KvCacheConfig(4, 1, 16, 2, "bf16"), 4, gpu)
+    tier = HostTier(cache, 4, gpu)
+    device = cache.alloc_blocks(2)
+    host = tier.alloc(2)
+    handle = tier.swap_out(device, host, 0)
+    done = [False]
+    real_done, real_wait = gpu.event_done, gpu.wait_event
+
+    def wait(event):
+        if not done[0]:
+            raise RuntimeError("wait failed")  # completion not known yet
+        real_wait(event)
+
+    gpu.event_done = lambda event: done[0] and real_done(event)
+    gpu.wait_event = wait
+    tier.abandon(handle, host)
+    assert tier.alloc(2) == [2, 3]  # the abandoned two stay out
+    with pytest.raises(RuntimeError, match="wait failed"):
+        tier.alloc(1)  # needs them: waits for the swap, which still cannot be waited for
+    done[0] = True
+    assert tier.alloc(2) == [0, 1] and gpu.live_events() == 0  # reaped: free, event destroyed
+    kept = tier.swap_in([0], device[:1], 0)
+    tier.keep(kept)
+    with pytest.raises(TypeError, match="keep takes a SwapHandle, got int"):
+        tier.keep(3)
+    assert gpu.live_events() == 1
+    tier.release(gpu)
+    assert gpu.live_events() == 0 and gpu.live_swap_memory() == 0
+    cache.release(gpu)
+
+
+def test_an_unmap_of_nothing_mapped_is_chunk_not_mapped():
+    """The README's ChunkNotMapped paragraph."""
+    from pagedkv import ChunkNotMapped, DeviceMemoryError
+
+    gpu = HostBackend(1 << 22, vmm_granularity=4096)
+    base = gpu.reserve_address(4 * 4096)
+    gpu.map_chunk(base, 4096)
+    gpu.unmap_chunk(base, 4096)
+    with pytest.raises(ChunkNotMapped, match="not a chunk mapped there") as caught:
+        gpu.unmap_chunk(base, 4096)  # unmapped already: a retry after a late failure finds it gone
+    assert isinstance(caught.value, DeviceMemoryError)
+    gpu.release_address(base)

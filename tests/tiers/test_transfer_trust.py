@@ -333,6 +333,40 @@ def test_grants_let_a_sender_write_only_the_granted_blocks(pair):
     assert [b.ref_count(x) for x in dst] == [1, 1, 1]
 
 
+@needs_nixl
+def test_the_receiver_checks_each_notification_against_its_grants(pair):
+    (ga, a), (gb, b), build = pair
+    ta = build("a", (ga, a))
+    strict = build("b", (gb, b), require_grants=True)
+    src = a.alloc_blocks(1)
+    dst = b.alloc_blocks(2)
+    info, nixl = tm.parse(strict.metadata())
+    del info["grants"]  # a sender that does not see the requirement (an old or edited blob)
+    peer = ta.connect(raw_blob(json.dumps(info).encode(), nixl))
+    ta.send(peer, src, dst[:1], notify=b"plain").wait(WAIT)
+    with pytest.raises(GrantViolation, match="peer 'a' sent a notification without a grant; this receiver requires"):
+        strict.wait_notifications(WAIT)
+    ta.disconnect(peer)
+    strict.close()
+    gc, c = make_cache()
+    try:
+        with KvTransfer(c, gc, "c") as lax:
+            held = c.alloc_blocks(2)
+            lax.grant("someone-else", held)  # grant 1, for another sender
+            name = ta.connect(lax.metadata())
+            with pytest.raises(ValueError, match="the grant is 'c''s for 'someone-else', not peer 'c''s for 'a'"):
+                ta.send(name, src, held[:1], grant=lax.grant("someone-else", held[1:]))
+            ta.send(name, src, held[:1], notify=notify_prefix(1) + b"forged").wait(WAIT)
+            with pytest.raises(GrantViolation, match="under grant 1, which is a grant made for 'someone-else'"):
+                lax.wait_notifications(WAIT)
+            ta.send(name, src, held[:1], notify=b"ok").wait(WAIT)  # a plain send: this receiver allows it
+            assert lax.wait_notifications(WAIT) == [("a", b"ok")]
+            assert sorted(lax.open_grants()) == [1, 2] and [c.ref_count(x) for x in held] == [2, 3]  # one per grant
+        assert [c.ref_count(x) for x in held] == [1, 1]  # close dropped the grants' references
+    finally:
+        c.release(gc)
+
+
 # -- a hybrid cache's state group: its own layout, checked as strictly --------------------
 
 
