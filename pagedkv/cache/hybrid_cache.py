@@ -19,6 +19,7 @@ from ..backends.protocol import DevicePtr, GpuBackend
 from ..core.allocator import BlockAllocator
 from ..core.config import KvCacheConfig
 from ..core.env import flags
+from ..core.guard import ThreadGuard, guarded_call
 from ..core.log import get_logger
 from ..core.validate import positive_int
 from ..errors import KvCacheError
@@ -38,6 +39,10 @@ _ROUTED = (
 
 _BOUND = ("alloc_block", "try_alloc_block", "alloc_blocks", "inc_ref", "inc_refs", "dec_ref", "free_block",
           "free_blocks", "return_evicted_block", "ref_count", "num_free_blocks", "num_blocks")
+_GUARDED_BOUND = tuple(n for n in _BOUND if n not in ("ref_count", "num_free_blocks", "num_blocks"))
+_GUARDED_METHODS = ("fill_slots", "zero_slots", "poison_slots", "init_slots", "free_slots")
+"""A state group's calls that change it: guarded while a prefix cache is attached (as
+PagedKvCache's are)."""
 
 
 class StateGroup:
@@ -52,6 +57,21 @@ class StateGroup:
         self._holders: dict[int, str] = {}  # id(holder) -> label, as PagedKvCache keeps them
         for name in _BOUND:
             setattr(self, name, getattr(allocator, name))
+
+    def _take_guard(self, guard: ThreadGuard, pending, deliver) -> None:
+        """Install guarded versions of the calls that change the group (instance attributes),
+        as `PagedKvCache._take_guard` does: a second thread's call raises ConcurrentUseError."""
+        for name in _GUARDED_BOUND:
+            setattr(self, name, guarded_call(guard, getattr(self._allocator, name), pending, deliver))
+        for name in _GUARDED_METHODS:
+            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
+
+    def _drop_guard(self) -> None:
+        """Back to the unguarded calls."""
+        for name in _GUARDED_BOUND:
+            setattr(self, name, getattr(self._allocator, name))
+        for name in _GUARDED_METHODS:
+            self.__dict__.pop(name, None)
 
     def hold(self, holder: object, label: str) -> None:
         """Record `holder` (named `label`) as using the slot pools: the hybrid cache's
