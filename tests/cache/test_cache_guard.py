@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from shared_helpers import from_other_thread
 
 from pagedkv import ConcurrentUseError, HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 
@@ -53,20 +54,6 @@ CALLS = {
 }
 
 
-def from_other_thread(fn):
-    out = []
-
-    def run():
-        try:
-            out.append(("ok", fn()))
-        except BaseException as err:  # noqa: BLE001 - reported to the test
-            out.append((type(err).__name__, str(err)))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
-    return out[0]
 
 
 @pytest.mark.parametrize("name", CALLS)

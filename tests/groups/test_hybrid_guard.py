@@ -5,9 +5,8 @@ ConcurrentUseError and changes nothing; once the prefix cache is closed nothing 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from shared_helpers import from_other_thread
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache
 from pagedkv.core.layer_groups import LayerGroup
@@ -44,20 +43,6 @@ def state(cache, gpu):
     return counts, cache.group(0).read_block(0, 0, gpu)[0].tobytes(), cache.read_state(2, 0, gpu).tobytes()
 
 
-def from_other_thread(fn):
-    out = []
-
-    def run():
-        try:
-            out.append(("ok", fn()))
-        except BaseException as err:  # noqa: BLE001 - reported to the test
-            out.append((type(err).__name__, str(err)))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
-    return out[0]
 
 
 @pytest.mark.parametrize("name", CALLS)

@@ -11,13 +11,11 @@ import pytest
 from pagedkv import HostBackend, KvCacheConfig, KvCacheError, PagedKvCache
 from pagedkv.core.layer_groups import LayerGroup
 from pagedkv.tiers.hybrid_transfer import HybridKvTransfer
-from pagedkv.tiers.transfer import KvTransfer, LayoutMismatch, NixlUnavailable, UnknownPeer, load_nixl
+from pagedkv.tiers.transfer import KvTransfer, LayoutMismatch, UnknownPeer
 
-try:
-    load_nixl()
-    NIXL_REASON = None
-except NixlUnavailable as err:
-    NIXL_REASON = f"NIXL is not installed: {err}"
+from shared_helpers import nixl_reason  # noqa: E402
+
+NIXL_REASON = nixl_reason()
 
 pytestmark = pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or "")
 WAIT = 20.0

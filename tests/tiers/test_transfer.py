@@ -26,17 +26,14 @@ from pagedkv.tiers.transfer import (
     block_runs,
     layout_differences,
     layout_of,
-    load_nixl,
 )
 
 # one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("transfer")
 
-try:
-    load_nixl()
-    NIXL_REASON = None
-except NixlUnavailable as err:
-    NIXL_REASON = f"NIXL is not installed: {err}"
+from shared_helpers import nixl_reason  # noqa: E402
+
+NIXL_REASON = nixl_reason()
 
 needs_nixl = pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or "")
 

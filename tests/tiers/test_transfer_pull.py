@@ -15,13 +15,11 @@ import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 from pagedkv.tiers.leases import LEASE_SLOTS, parse_ticket
-from pagedkv.tiers.transfer import KvTransfer, LeaseExpired, NixlUnavailable, load_nixl
+from pagedkv.tiers.transfer import KvTransfer, LeaseExpired
 
-try:
-    load_nixl()
-    NIXL_REASON = None
-except NixlUnavailable as err:
-    NIXL_REASON = f"NIXL is not installed: {err}"
+from shared_helpers import nixl_reason  # noqa: E402
+
+NIXL_REASON = nixl_reason()
 
 # one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
 pytestmark = [pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or ""), pytest.mark.xdist_group("transfer_pull")]

@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
-from pagedkv.tiers.transfer import METADATA_MAGIC, KvTransfer, LayoutMismatch, NixlUnavailable, load_nixl
+from pagedkv.tiers.transfer import METADATA_MAGIC, KvTransfer, LayoutMismatch
 
-try:
-    load_nixl()
-    NIXL_REASON = None
-except NixlUnavailable as err:
-    NIXL_REASON = f"NIXL is not installed: {err}"
+from shared_helpers import nixl_reason  # noqa: E402
+
+NIXL_REASON = nixl_reason()
 
 # one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
 pytestmark = [pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or ""), pytest.mark.xdist_group("transfer_tp")]

@@ -17,20 +17,16 @@ from pagedkv.tiers import transfer_metadata as tm
 from pagedkv.tiers.transfer import (
     BadPeerMetadata,
     KvTransfer,
-    NixlUnavailable,
     PeerRefused,
     TransferError,
-    load_nixl,
 )
 from pagedkv.tiers.transfer_errors import PagedKvError
 from pagedkv.tiers.transfer_grants import GrantViolation, notify_prefix
 from pagedkv.tiers.transfer_layout import LAYOUT_VERSION, layout_of
 
-try:
-    load_nixl()
-    NIXL_REASON = None
-except NixlUnavailable as err:
-    NIXL_REASON = f"NIXL is not installed: {err}"
+from shared_helpers import nixl_reason  # noqa: E402
+
+NIXL_REASON = nixl_reason()
 needs_nixl = pytest.mark.skipif(NIXL_REASON is not None, reason=NIXL_REASON or "")
 
 CONFIG = dict(block_size=4, num_kv_heads=1, head_dim=16, num_layers=2, dtype="bf16")
