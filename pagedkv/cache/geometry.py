@@ -110,7 +110,8 @@ class CacheGeometry:
         """How many blocks fit in `available_bytes` across every layer's K and V pools. For a
         config with `layer_groups`, the budget is split across the groups for `concurrency`
         sequences of `context` tokens (required there): a list with one count per group
-        (blocks, or state slots: one live slot and one checkpoint per sequence), the
+        (blocks, or state slots: one live slot per sequence and the checkpoint slots a
+        sequence of `context` tokens can hold, `GroupLayout.checkpoints_per_sequence`), the
         `num_blocks` / `num_state_slots` a hybrid `PagedKvCache` takes (see
         `pagedkv.groups.layout.split_budget`)."""
         if config.layer_groups:

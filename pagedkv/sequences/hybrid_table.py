@@ -10,7 +10,11 @@ checkpoint; copied on `fork`). With a prefix cache, a step (`add`/`append`) is g
 checkpoint slot per state group at every checkpoint position it reaches: each multiple of
 `checkpoint_every`, and for `add` the end of the prompt's last whole match unit and the
 branch point (`step_checkpoints`; `checkpoint_slots` exports the deepest); `cache_prefix`
-and `free` hand them to the prefix cache with the blocks.
+and `free` hand them to the prefix cache with the blocks. Checkpoint slots are best effort:
+when the state pool has no free or evictable slot left, the step keeps the deepest
+positions it can get, skips the others (`skipped_checkpoints()` counts them) and succeeds,
+so an undersized pool costs hits, never a failed decode step. `compute_num_blocks` sizes
+the pool so that this does not happen (`GroupLayout.checkpoints_per_sequence`).
 
 The branch point: where an added prompt leaves a chain the prefix cache holds, further than
 it hits (`HybridMatch.shared_tokens`), as a second conversation leaves the first one's
@@ -45,7 +49,7 @@ from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
 from ..core.validate import MAX_TOKEN_ID, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
-from ..errors import KvCacheError
+from ..errors import KvCacheError, KvCacheExhausted
 from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
 from ..tiers.hybrid_host_tier import check_tier_of
 from . import hybrid_swap
@@ -124,6 +128,7 @@ class HybridSequenceTable(SequenceQueries):
         self._window = {g: layout.groups[g].window for g in self._attn}
         self._unit = layout.unit
         self._every = {g: layout.groups[g].checkpoint_every for g in self._states}
+        self._skipped = dict.fromkeys(self._states, 0)  # checkpoints skipped for want of a slot
         self._seqs: dict[Hashable, _HSeq] = {}
         self._pending: list[tuple[int, int, int]] = []
         self._pending_refs: list[tuple[int, int]] = []
@@ -152,6 +157,37 @@ class HybridSequenceTable(SequenceQueries):
             if end > old and end not in out:
                 out.append(end)
         return out
+
+    def _alloc_checkpoints(self, undo: _Undo, g: int, positions: list[int]) -> list[tuple[int, int]]:
+        """Checkpoint slots of state group g for `positions` (ascending), best effort: a
+        checkpoint only makes a later hit possible, so when the group's free and evictable
+        slots are short the step keeps the deepest positions it can get and skips the rest
+        (counted in `skipped_checkpoints`) rather than failing. The slots are initialised
+        (`_init_slots`) and recorded in `undo`."""
+        if not positions:
+            return []
+        try:
+            slots = undo.alloc(g, len(positions))
+        except KvCacheExhausted:
+            group = self._groups[g]
+            evictable = 0
+            if self._prefix is not None and not self._prefix.closed():
+                evictable = sum(1 for slot in self._prefix.block_references(g) if group.ref_count(slot) == 1)
+            have = min(len(positions) - 1, group.num_free_blocks() + evictable)
+            self._skipped[g] += len(positions) - have
+            positions = positions[len(positions) - have:]
+            slots = undo.alloc(g, have)
+        self._init_slots(g, slots)
+        return list(zip(positions, slots))
+
+    def skipped_checkpoints(self, group: int | None = None) -> int:
+        """Checkpoints a step could not be given a slot for since the table was built (state
+        group `group`; every state group when None): the state pool held no free or
+        evictable slot for them. Such a step still succeeds; its skipped positions are
+        simply never cached (a later prompt cannot hit there)."""
+        if group is None:
+            return sum(self._skipped.values())
+        return self._skipped[self._state(group)]
 
     def _init_blocks(self, g: int, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -194,7 +230,8 @@ class HybridSequenceTable(SequenceQueries):
         its matched blocks (a sliding group only those its window still needs), each state
         group copies the matched checkpoint into the new live slot (zeroed without a hit) and
         is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
-        docstring). KvCacheExhausted (nothing changed) when a group runs out."""
+        docstring). KvCacheExhausted (nothing changed) when a group runs out of blocks or live
+        slots; checkpoint slots are best effort (`_alloc_checkpoints`: short ones are skipped)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
@@ -235,11 +272,9 @@ class HybridSequenceTable(SequenceQueries):
                 positions = self._checkpoints_in(g, p, n, prompt=True) if prefix is not None else []
                 if branch and branch not in positions:
                     positions = sorted(positions + [branch])
-                slots = undo.alloc(g, len(positions)) if positions else []
-                if slots:
-                    self._init_slots(g, slots)
-                seq.checkpoints[g] = list(zip(positions, slots))
-                seq.step_checkpoints[g] = len(slots)
+                pairs = self._alloc_checkpoints(undo, g, positions)
+                seq.checkpoints[g] = pairs
+                seq.step_checkpoints[g] = len(pairs)
             for g in self._states:  # last: nothing after this can fail
                 ckpt = found.checkpoints[g] if found is not None else None
                 if ckpt is not None:
@@ -265,7 +300,8 @@ class HybridSequenceTable(SequenceQueries):
         new blocks at block boundaries, a shared partly filled last block copied first, a
         sliding group's blocks wholly out of its window released (and the add step's
         branch-point blocks); a checkpoint slot at each `checkpoint_every` position reached.
-        KvCacheExhausted, nothing changed, when a group runs out.
+        KvCacheExhausted, nothing changed, when a group runs out of blocks; a checkpoint no
+        slot is left for is skipped (`skipped_checkpoints`), the step still succeeds.
 
         A decode step's one token id (`token_ids=[t]`) that needs none of that (no block
         boundary, release, copy or checkpoint in any group: `_room`) only counts the token."""
@@ -351,11 +387,9 @@ class HybridSequenceTable(SequenceQueries):
             new_ckpts = []
             if self._prefix is not None:
                 for g in self._states:
-                    positions = self._checkpoints_in(g, old, total, prompt=False)
-                    if positions:
-                        slots = undo.alloc(g, len(positions))
-                        self._init_slots(g, slots)
-                        new_ckpts.append((g, list(zip(positions, slots))))
+                    pairs = self._alloc_checkpoints(undo, g, self._checkpoints_in(g, old, total, prompt=False))
+                    if pairs:
+                        new_ckpts.append((g, pairs))
             for g, first, start, fresh, copy in plans:
                 if copy:
                     self._copy(g, seq.held[g].blocks[-1], fresh[0])
@@ -671,7 +705,9 @@ class HybridSequenceTable(SequenceQueries):
         given in state group `group`, ascending: the positions of `(old, new]` that are
         multiples of `checkpoint_every`, and for `add` the end of the prompt's last whole match
         unit. The engine writes the state as of each position into its slot before the step's
-        `cache_prefix` or `free` (after which the slots belong to the prefix cache)."""
+        `cache_prefix` or `free` (after which the slots belong to the prefix cache). When the
+        state pool is short the step lists only the deepest positions it got slots for
+        (`skipped_checkpoints` counts the rest)."""
         g = self._state(group)
         return list(self._step_pairs(self._get(seq_id), g))
 
