@@ -54,6 +54,7 @@ from ..groups.window import first_live_block, max_live_blocks, window_blocks_for
 from ..tiers.hybrid_host_tier import check_tier_of
 from . import hybrid_swap
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
+from .block_keys import block_keys, extra_key_ranges, with_ranges
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .hybrid_swap import ParkedSequence
 from .tree import adapter_id_checked
@@ -74,7 +75,7 @@ class _Held:
 
 class _HSeq:
     __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
-                 "checkpoints", "step_checkpoints", "room", "helds")
+                 "checkpoints", "step_checkpoints", "room", "helds", "keys")
 
     def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
@@ -85,6 +86,7 @@ class _HSeq:
         self.step_checkpoints: dict[int, int] = {}  # state group -> how many of `checkpoints` the latest step added
         self.room = 0  # the decode fast path may grow the sequence up to this many tokens
         self.helds: tuple[_Held, ...] = ()  # held.values(), for the fast path
+        self.keys = None  # its BlockKeys at the prefix cache's unit (salt, extra keys), or None
 
 
 class _Undo:
@@ -127,6 +129,7 @@ class HybridSequenceTable(SequenceQueries):
         self._bs = {g: layout.block_size(g) for g in self._attn}
         self._window = {g: layout.groups[g].window for g in self._attn}
         self._unit = layout.unit
+        self._hash_unit = min(self._bs.values())  # the prefix cache's trie unit: extra keys are kept at it
         self._every = {g: layout.groups[g].checkpoint_every for g in self._states}
         self._skipped = dict.fromkeys(self._states, 0)  # checkpoints skipped for want of a slot
         self._seqs: dict[Hashable, _HSeq] = {}
@@ -224,23 +227,27 @@ class HybridSequenceTable(SequenceQueries):
     # -- lifecycle ----------------------------------------------------------------------
 
     @guarded
-    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
+    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0,
+            cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
         match: whole match units, never the last prompt token). Each attention group reuses
         its matched blocks (a sliding group only those its window still needs), each state
         group copies the matched checkpoint into the new live slot (zeroed without a hit) and
         is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
         docstring). KvCacheExhausted (nothing changed) when a group runs out of blocks or live
-        slots; checkpoint slots are best effort (`_alloc_checkpoints`: short ones are skipped)."""
+        slots; checkpoint slots are best effort (`_alloc_checkpoints`: short ones are skipped).
+        `cache_salt` and `extra_keys` key the prompt as in `SequenceTable.add` (a namespace;
+        keys of the units they cover): the match and every later offer of its entries."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
         adapter_id = adapter_id_checked(adapter_id)
+        keys = block_keys(adapter_id, cache_salt, extra_keys, self._hash_unit)
         n = len(tokens)
         prefix = self._prefix
         found = None
         if prefix is not None and n > 1:
-            found = prefix.match(tokens, adapter_id, limit=n - 1)
+            found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys)
         p = found.num_tokens if found is not None else 0
         branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
         undo = _Undo(self._groups)
@@ -292,10 +299,12 @@ class HybridSequenceTable(SequenceQueries):
                         self._pending_refs.append((g, ckpt))  # kept until the engine took the copy
                     else:
                         self._cache.group(g).free_blocks([ckpt])
+        seq.keys = keys
         self._seqs[seq_id] = seq
         return p
 
-    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None,
+               extra_keys=None) -> None:
         """Extend a sequence by `n_tokens` (default len(token_ids), else 1) in every group:
         new blocks at block boundaries, a shared partly filled last block copied first, a
         sliding group's blocks wholly out of its window released (and the add step's
@@ -304,7 +313,15 @@ class HybridSequenceTable(SequenceQueries):
         slot is left for is skipped (`skipped_checkpoints`), the step still succeeds.
 
         A decode step's one token id (`token_ids=[t]`) that needs none of that (no block
-        boundary, release, copy or checkpoint in any group: `_room`) only counts the token."""
+        boundary, release, copy or checkpoint in any group: `_room`) only counts the token.
+
+        `extra_keys` key the appended tokens as `SequenceTable.append`'s: `(offset, length,
+        key)` ranges counted from this step's first token, each within the step (ValueError
+        naming it, nothing changed), attached once the step succeeded, after the keys given
+        before; the entries they cover are offered to the prefix cache under them."""
+        if extra_keys is not None:
+            self._append_keyed(seq_id, n_tokens, token_ids, extra_keys)
+            return
         seq = self._seqs.get(seq_id)
         if (seq is not None and type(token_ids) is list and len(token_ids) == 1 and seq.num_tokens < seq.room
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
@@ -328,6 +345,25 @@ class HybridSequenceTable(SequenceQueries):
                         token.append(True)
                     return
         self._append(seq_id, n_tokens, token_ids)
+
+    @guarded
+    def _append_keyed(self, seq_id: Hashable, n_tokens, token_ids, extra_keys) -> None:
+        """`append` with extra keys for the step's tokens: checked first, attached after."""
+        seq = self._get(seq_id)
+        ranges = extra_key_ranges(extra_keys)
+        if n_tokens is None:
+            n = 1 if token_ids is None else len(valid_token_ids(token_ids, "token_ids"))
+        else:
+            n = non_negative_int(n_tokens, "n_tokens")
+        for i, (offset, length, _key) in enumerate(ranges):
+            if offset + length > n:
+                raise ValueError(
+                    f"extra_keys[{i}] covers tokens [{offset}, {offset + length}) of the step, which appends {n}"
+                )
+        start = seq.num_tokens
+        self._append(seq_id, n_tokens, token_ids)
+        shifted = tuple((start + offset, length, key) for offset, length, key in ranges)
+        seq.keys = with_ranges(seq.keys, seq.adapter_id, shifted, self._hash_unit)
 
     def _room(self, seq: _HSeq) -> int:
         """The most tokens the sequence can reach one token at a time with nothing but counts
@@ -447,7 +483,7 @@ class HybridSequenceTable(SequenceQueries):
                 known = min(len(seq.tokens), written)
                 pairs = [((i + 1) * bs, b) for i, b in sorted(extra.items()) if (i + 1) * bs <= known]
                 if pairs:
-                    prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+                    prefix.store(seq.tokens, seq.adapter_id, {g: pairs}, keys=seq.keys)
             self._groups[g].free_blocks(list(extra.values()))
 
     def _offer_released(self, seq: _HSeq, g: int, first: int, blocks: list[int], written: int) -> None:
@@ -459,7 +495,7 @@ class HybridSequenceTable(SequenceQueries):
         bs, known = self._bs[g], min(len(seq.tokens), written)
         pairs = [((i + 1) * bs, b) for i, b in enumerate(blocks, first) if (i + 1) * bs <= known]
         if pairs:
-            prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+            prefix.store(seq.tokens, seq.adapter_id, {g: pairs}, keys=seq.keys)
 
     @guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
@@ -470,7 +506,7 @@ class HybridSequenceTable(SequenceQueries):
             raise ValueError(f"sequence {dst!r} already exists")
         undo = _Undo(self._groups)
         child = _HSeq(parent.num_tokens, list(parent.tokens), parent.adapter_id, parent.num_tokens)
-        child.tokens_known = parent.tokens_known
+        child.tokens_known, child.keys = parent.tokens_known, parent.keys
         try:
             for g in self._states:
                 (slot,) = undo.alloc(g, 1)
@@ -505,7 +541,7 @@ class HybridSequenceTable(SequenceQueries):
             pairs = [(pos, slot) for pos, slot in seq.checkpoints[g] if pos <= limit]
             if pairs:
                 entries[g] = pairs
-        return prefix.store(seq.tokens, seq.adapter_id, entries) if entries else 0
+        return prefix.store(seq.tokens, seq.adapter_id, entries, keys=seq.keys) if entries else 0
 
     def _drop_checkpoints(self, seq: _HSeq) -> None:
         for g in self._states:
