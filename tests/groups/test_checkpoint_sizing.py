@@ -74,6 +74,10 @@ def test_split_budget_reserves_the_checkpoints_of_the_context():
     # an explicit count still wins
     old = split_budget(cfg, 4 * per_seq, context=100, concurrency=4, checkpoints_per_seq=1)
     assert old[2].checkpoints_per_sequence == 1 and old[2].count < 60
+    # no prefix cache, no checkpoints: one live slot per sequence, the rest to the attention groups
+    bare = 25 * layout.bytes_per_block(0) + 3 * layout.bytes_per_block(1) + 16
+    counts = PagedKvCache.compute_num_blocks(cfg, 4 * bare, context=100, concurrency=4, checkpoints_per_seq=0)
+    assert counts == [100, 12, 4]
     with pytest.raises(ValueError, match="does not hold one sequence"):
         split_budget(cfg, per_seq - 1, context=100, concurrency=1)
 
