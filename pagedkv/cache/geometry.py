@@ -106,17 +106,20 @@ class CacheGeometry:
 
     @staticmethod
     def compute_num_blocks(config: KvCacheConfig, available_bytes: int, context: int | None = None,
-                           concurrency: int = 1):
+                           concurrency: int = 1, checkpoints_per_seq: int | None = None):
         """How many blocks fit in `available_bytes` across every layer's K and V pools. For a
         config with `layer_groups`, the budget is split across the groups for `concurrency`
         sequences of `context` tokens (required there): a list with one count per group
-        (blocks, or state slots: one live slot and one checkpoint per sequence), the
+        (blocks, or state slots: one live slot per sequence and the checkpoint slots a
+        sequence of `context` tokens can hold, `GroupLayout.checkpoints_per_sequence`, or
+        `checkpoints_per_seq` when given: 0 for a table without a prefix cache), the
         `num_blocks` / `num_state_slots` a hybrid `PagedKvCache` takes (see
         `pagedkv.groups.layout.split_budget`)."""
         if config.layer_groups:
             if context is None:
                 raise ValueError("a config with layer_groups is sized for a context: give context= (tokens)")
-            return [row.count for row in split_budget(config, available_bytes, context, concurrency)]
+            return [row.count for row in split_budget(config, available_bytes, context, concurrency,
+                                                      checkpoints_per_seq)]
         available_bytes = non_negative_int(available_bytes, "available_bytes")
         per_block = config.block_bytes_kv_all_layers()
         if per_block <= 0:

@@ -228,6 +228,8 @@ def register(subparsers) -> None:
                         "(splits the budget across the groups; needs --context)")
     p.add_argument("--state", type=converted(parse_state, "state tensors"),
                    help="one state layer's tensors for state groups, e.g. 4x8192:bfloat16,128x64x128:float32")
+    p.add_argument("--checkpoint-every", type=positive_int,
+                   help="state groups' checkpoint_every in tokens, for --groups (sizes their checkpoint slots)")
     p.add_argument("--context", type=positive_int, help="tokens per sequence, for --groups")
     p.add_argument("--concurrency", type=positive_int, default=1, help="sequences at once, for --groups (default 1)")
     p.set_defaults(func=run)

@@ -44,8 +44,10 @@ def parse_state(text: str) -> tuple:
     return tuple(specs)
 
 
-def grouped_config(base: dict, pattern: list, num_layers: int, state: tuple) -> KvCacheConfig:
-    """`base` (KvCacheConfig keywords) with the layer groups of `pattern` cycled over the layers."""
+def grouped_config(base: dict, pattern: list, num_layers: int, state: tuple,
+                   checkpoint_every: int | None = None) -> KvCacheConfig:
+    """`base` (KvCacheConfig keywords) with the layer groups of `pattern` cycled over the
+    layers (state groups with `checkpoint_every`)."""
     kinds: list[tuple[str, int | None]] = []
     while len(kinds) < num_layers:
         for kind, window, count in pattern:
@@ -58,34 +60,40 @@ def grouped_config(base: dict, pattern: list, num_layers: int, state: tuple) -> 
         if kind == "state":
             if not state:
                 raise ValueError("state layers need --state SHAPE:DTYPE,... (one layer's tensors)")
-            groups.append(LayerGroup("state", layers, state=state))
+            groups.append(LayerGroup("state", layers, state=state, checkpoint_every=checkpoint_every))
         else:
             groups.append(LayerGroup(kind, layers, window=window))
+    if checkpoint_every is not None and not any(g.kind == "state" for g in groups):
+        raise ValueError("--checkpoint-every is for state layers, and the pattern has none")
     return KvCacheConfig(layer_groups=tuple(groups), **base)
 
 
 def format_groups(config: KvCacheConfig, memory: int, context: int, concurrency: int) -> str:
-    """The per-group table of `split_budget`, with the all-full-attention cost beside it."""
+    """The per-group table of `split_budget`, with the all-full-attention cost beside it: a
+    state group's bytes/seq is its live slot, its `ckpts/seq` the checkpoint slots reserved
+    per sequence besides; the sequences that fit count those checkpoints."""
     layout = GroupLayout(config)
     rows = split_budget(config, memory, context, concurrency)
-    lines = [("group", "kind", "layers", "window", "bytes/token", "bytes/seq", "blocks|slots", "GiB")]
+    lines = [("group", "kind", "layers", "window", "bytes/token", "bytes/seq", "blocks|slots", "GiB", "ckpts/seq")]
     for row in rows:
         group = layout.groups[row.group]
         lines.append((str(row.group), row.kind, str(len(group.layers)), str(group.window or "-"),
                       f"{row.bytes_per_token:,.1f}", f"{row.bytes_per_sequence:,}", f"{row.count:,}",
-                      f"{row.bytes / 2**30:.3f}"))
+                      f"{row.bytes / 2**30:.3f}", "-" if group.is_attention() else f"{row.checkpoints_per_sequence:,}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     text = "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
     total = layout.total_bytes_per_sequence(context)
     full = config.block_bytes_kv_all_layers() * -(-context // config.block_size)  # every layer full attention
-    fits = memory // total if total else 0
+    held = layout.total_held_bytes_per_sequence(context)
+    fits = memory // held if held else 0
+    checkpoints = f", {held:,} with its checkpoints" if held != total else ""
     return (text + f"\n{total:,} bytes per sequence of {context:,} tokens (every layer full attention: {full:,}, "
-            f"ratio {total / full:.3f}); {fits:,} sequences fit")
+            f"ratio {total / full:.3f}){checkpoints}; {fits:,} sequences fit")
 
 
 def run_groups(args: argparse.Namespace, base: dict, memory: int) -> None:
     """Print the grouped plan (`--groups` given)."""
-    config = grouped_config(base, args.groups, args.layers, args.state or ())
+    config = grouped_config(base, args.groups, args.layers, args.state or (), args.checkpoint_every)
     print(f"{args.layers} layers in groups, block {args.block_size}, memory {memory / 2**30:.2f} GiB, "
           f"context {args.context:,}, concurrency {args.concurrency}")
     print(format_groups(config, memory, args.context, args.concurrency))

@@ -71,7 +71,8 @@ def _values(event: object) -> tuple[str, tuple, int]:
         return "BlockRemoved", (event.block_hashes, event.medium, event.group_idx), _REMOVED_REQUIRED
     if kind is GroupBlockStored:
         return "BlockStored", ((event.block_hash,), event.parent_block_hash, event.token_ids, event.block_size,
-                               event.adapter_id or None, event.medium, None, None, event.group,
+                               event.adapter_id or None, event.medium, None,
+                               None if event.extra_keys is None else (event.extra_keys,), event.group,
                                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window), _STORED_REQUIRED
     if kind is GroupBlockRemoved:
         return "BlockRemoved", ((event.block_hash,), event.medium, event.group), _REMOVED_REQUIRED

@@ -111,14 +111,41 @@ class GroupLayout:
         return self.slot_bytes(g)
 
     def total_bytes_per_sequence(self, context: int) -> int:
-        """Bytes one sequence of `context` tokens costs over every group."""
+        """Bytes one sequence of `context` tokens costs over every group (checkpoints not counted)."""
         return sum(self.bytes_per_sequence(g, context) for g in range(len(self.groups)))
+
+    def checkpoints_per_sequence(self, g: int, context: int) -> int:
+        """The most checkpoint slots of state group `g` one sequence of at most `context`
+        tokens holds at once (they are held until `cache_prefix` / `free`): one at every
+        multiple of `checkpoint_every` in `(0, context]`, and at most two more at other match
+        unit ends (the prompt's last whole unit and the branch point of its `add`). 0 for an
+        attention group."""
+        group = self.groups[self.check_group(g)]
+        context = non_negative_int(context, "context")
+        if group.is_attention():
+            return 0
+        units = context // self.unit  # checkpoint positions are match unit ends
+        every = group.checkpoint_every // self.unit if group.checkpoint_every else None
+        periodic = units // every if every else 0
+        return periodic + min(2, units - periodic)
+
+    def held_bytes_per_sequence(self, g: int, context: int) -> int:
+        """Bytes group `g` may hold for one sequence of at most `context` tokens: its blocks
+        (attention), or its live slot and `checkpoints_per_sequence` checkpoint slots (state)."""
+        if self.groups[self.check_group(g)].is_attention():
+            return self.bytes_per_sequence(g, context)
+        return (1 + self.checkpoints_per_sequence(g, context)) * self.slot_bytes(g)
+
+    def total_held_bytes_per_sequence(self, context: int) -> int:
+        """`held_bytes_per_sequence` over every group: what the budget split reserves per sequence."""
+        return sum(self.held_bytes_per_sequence(g, context) for g in range(len(self.groups)))
 
 
 @dataclass(frozen=True)
 class GroupBudget:
     """One group's share of a byte budget: its blocks (attention) or slots (state), the
-    bytes those take, and its cost per token and per sequence at the planned context."""
+    bytes those take, its cost per token and per sequence at the planned context (one live
+    slot for a state group), and the checkpoint slots reserved per sequence (0 for attention)."""
 
     group: int
     kind: str
@@ -126,26 +153,32 @@ class GroupBudget:
     bytes: int
     bytes_per_token: float
     bytes_per_sequence: int
+    checkpoints_per_sequence: int = 0
 
 
 def split_budget(config: KvCacheConfig, budget: int, context: int, concurrency: int,
-                 checkpoints_per_seq: int = 1) -> list[GroupBudget]:
+                 checkpoints_per_seq: int | None = None) -> list[GroupBudget]:
     """Split `budget` bytes across `config`'s groups so that `concurrency` sequences of
     `context` tokens fit in every group in the same proportion: each attention group gets
-    blocks, each state group slots (one live slot plus `checkpoints_per_seq` per sequence),
-    scaled by the one factor the budget allows (rounded down). ValueError when not even one
-    sequence fits."""
+    blocks, each state group slots (one live slot plus the checkpoint slots a sequence of
+    `context` tokens can hold, `GroupLayout.checkpoints_per_sequence`, or
+    `checkpoints_per_seq` when given), scaled by the one factor the budget allows (rounded
+    down). ValueError when not even one sequence fits."""
     layout = GroupLayout(config)
     budget = non_negative_int(budget, "budget")
     context = positive_int(context, "context")
     concurrency = positive_int(concurrency, "concurrency")
-    need = []
+    if checkpoints_per_seq is not None:
+        checkpoints_per_seq = non_negative_int(checkpoints_per_seq, "checkpoints_per_seq")
+    need, ckpts = [], []
     for g, group in enumerate(layout.groups):
         if group.is_attention():
-            per_seq, unit_bytes = layout.blocks_per_sequence(g, context), layout.bytes_per_block(g)
+            ckpts.append(0)
+            need.append((layout.blocks_per_sequence(g, context), layout.bytes_per_block(g)))
         else:
-            per_seq, unit_bytes = 1 + non_negative_int(checkpoints_per_seq, "checkpoints_per_seq"), layout.slot_bytes(g)
-        need.append((per_seq, unit_bytes))
+            ckpts.append(layout.checkpoints_per_sequence(g, context) if checkpoints_per_seq is None
+                         else checkpoints_per_seq)
+            need.append((1 + ckpts[-1], layout.slot_bytes(g)))
     per_seq_bytes = sum(n * b for n, b in need)
     if per_seq_bytes > budget:
         raise ValueError(f"a budget of {budget} bytes does not hold one sequence of {context} tokens "
@@ -157,10 +190,10 @@ def split_budget(config: KvCacheConfig, budget: int, context: int, concurrency: 
         count = max(1, int(per_seq * seqs * scale))
         rows.append(GroupBudget(g, group.kind, count, count * unit_bytes,
                                 layout.bytes_per_sequence(g, context) / context,
-                                layout.bytes_per_sequence(g, context)))
+                                layout.bytes_per_sequence(g, context), ckpts[g]))
     while sum(r.bytes for r in rows) > budget:  # float rounding: take one back from the largest
         big = max(range(len(rows)), key=lambda i: rows[i].bytes)
         r = rows[big]
         rows[big] = GroupBudget(r.group, r.kind, r.count - 1, (r.count - 1) * need[big][1], r.bytes_per_token,
-                                r.bytes_per_sequence)
+                                r.bytes_per_sequence, r.checkpoints_per_sequence)
     return rows

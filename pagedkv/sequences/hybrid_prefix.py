@@ -1,9 +1,11 @@
 """HybridPrefixCache: prefix caching over the groups of a `HybridKvCache`.
 
-One trie per adapter, keyed at the smallest attention block size (the hash unit `u`): a node
-at depth k stands for the exact tokens `[0, k*u)` (int64 bytes per unit, so a hash collision
-never hands one prompt another's KV; each node also carries the chained 64-bit hash that
-events report). A node holds, per group, at most one cached entry ending at its position: an
+One trie per adapter (per `(adapter, cache_salt)` for a salted prompt: a namespace, no hit
+across salts), keyed at the smallest attention block size (the hash unit `u`): a node at
+depth k stands for the exact tokens `[0, k*u)` (int64 bytes per unit, so a hash collision
+never hands one prompt another's KV; a unit that extra keys cover carries them after its
+tokens, as `pagedkv.sequences.block_keys` keys a block; each node also carries the chained
+64-bit hash of its key that events report). A node holds, per group, at most one cached entry ending at its position: an
 attention group's block covering `[pos - block_size, pos)`, or a state group's checkpoint
 slot holding the state as of `pos`. No group's block size is inflated to another's.
 
@@ -20,6 +22,13 @@ groups a chain end or a branch point), then least recently used, deepest first. 
 and what vLLM's KV events carry (`pagedkv.events` publishes them as vLLM's `BlockStored` /
 `BlockRemoved` with `group_idx` and the group's kind).
 
+Hash schemes as `PrefixCache`'s: under `hash_scheme="vllm-sha256-cbor"` an entry's
+`block_hash` (events, `block_hash(group, entry)`) is vLLM v1's 32-byte digest of the chain at
+the entry's group block size (a state group's: the unit), so an attention group's hashes are
+those a one-group cache of its block size reports for the same tokens and keys. A block's
+extra keys are those of its units in position order (each once), then the salt on a
+prompt's first block: vLLM's placement when keys are given in position order.
+
 Not here yet: host and disk tiers (refused at construction).
 """
 
@@ -33,9 +42,12 @@ from ..core.guard import ThreadGuard, guarded
 from ..core.validate import int64_bytes_of_ids, token_ids
 from ..errors import KvCacheError
 from ..groups.window import window_blocks_for_match
+from .block_keys import BlockKeys, block_keys, salted_root_hash
 from .events import EventQueue
-from .hashing import chain_hash, root_hash
+from .hashing import chain_digest, root_hash
 from .tree import adapter_id_checked
+from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, block_digest, resolve_seed
+from .vllm_hash import SCHEME as VLLM_SCHEME
 
 
 SPEC_KINDS = {"full": "full_attention", "sliding": "sliding_window", "state": "mamba"}
@@ -52,12 +64,14 @@ class GroupBlockStored:
     a state group's last unit, `[position - unit, position)`), `parent_block_hash`, the
     unit hash where those tokens start (None at the chain's start), `medium`, the group's
     `kv_cache_spec_kind` ("full_attention", "sliding_window", "mamba") and a sliding
-    group's window in tokens, and `seq`, the event's number in its prefix cache."""
+    group's window in tokens, `seq`, the event's number in its prefix cache, and
+    `extra_keys`, the entry's extra keys where vLLM places them (its units' keys, then the
+    cache salt on a prompt's first block; None when none)."""
 
     group: int
     block_id: int
     position: int
-    block_hash: int
+    block_hash: int | bytes
     adapter_id: int
     kind: str = "stored"
     token_ids: tuple = ()
@@ -67,6 +81,7 @@ class GroupBlockStored:
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     seq: int = field(default=0, compare=False)
+    extra_keys: tuple | None = None
 
     @property
     def group_idx(self) -> int:
@@ -81,7 +96,7 @@ class GroupBlockRemoved:
 
     group: int
     block_id: int
-    block_hash: int
+    block_hash: int | bytes
     kind: str = "removed"
     medium: str = "GPU"
     seq: int = field(default=0, compare=False)
@@ -110,12 +125,15 @@ class HybridMatch(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("parent", "key", "depth", "children", "entries", "hash", "adapter_id")
+    __slots__ = ("parent", "key", "depth", "children", "entries", "hash", "adapter_id", "extra", "digests")
 
-    def __init__(self, parent, key: bytes, depth: int, hash_: int, adapter_id: int):
+    def __init__(self, parent, key: bytes, depth: int, hash_: int, adapter_id: int, extra: tuple = ()):
         self.parent, self.key, self.depth, self.hash, self.adapter_id = parent, key, depth, hash_, adapter_id
         self.children: dict[bytes, _Node] = {}
         self.entries: dict[int, int] = {}
+        # the unit's extra keys (a root: its salt as given, or ()); vLLM digests per block size
+        self.extra = extra
+        self.digests: dict[int, bytes] | None = None
 
 
 class _GroupReclaimer:
@@ -144,11 +162,17 @@ class HybridPrefixCache:
     """A prefix cache over one `HybridKvCache` (see the module docstring). `PrefixCache(cache)`
     builds one for a hybrid cache; `host_tier` and `disk_tier` are refused there."""
 
-    def __init__(self, cache: HybridKvCache, on_event: Callable | None = None):
+    def __init__(self, cache: HybridKvCache, on_event: Callable | None = None, hash_scheme: str = DEFAULT_SCHEME,
+                 hash_seed: str | None = None):
+        """`hash_scheme` and `hash_seed` as `PrefixCache`'s (see the module docstring)."""
         if not isinstance(cache, HybridKvCache):
             raise TypeError(f"cache must be a HybridKvCache, got {type(cache).__name__}")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable, got {on_event!r}")
+        if hash_scheme not in SCHEMES:
+            raise ValueError(f"hash_scheme must be one of {', '.join(SCHEMES)}, got {hash_scheme!r}")
+        self._vroot = VllmHashes(resolve_seed(hash_seed), 1).root if hash_scheme == VLLM_SCHEME else None
+        self._hash_scheme = hash_scheme
         layout = cache.layout()
         self._cache = cache
         self._layout = layout
@@ -219,11 +243,83 @@ class HybridPrefixCache:
         """True after `close()`."""
         return self._closed
 
-    def _root(self, adapter_id: int) -> _Node:
-        root = self._roots.get(adapter_id)
+    def _root(self, adapter_id: int, keys: BlockKeys | None = None) -> _Node:
+        if keys is None or keys.salt_raw is None:
+            root = self._roots.get(adapter_id)
+            if root is None:
+                root = self._roots[adapter_id] = _Node(None, b"", 0, root_hash(adapter_id), adapter_id)
+            return root
+        root = self._roots.get(keys.root_key)
         if root is None:
-            root = self._roots[adapter_id] = _Node(None, b"", 0, root_hash(adapter_id), adapter_id)
+            root = self._roots[keys.root_key] = _Node(None, keys.salt_raw, 0, salted_root_hash(adapter_id, keys.salt_raw),
+                                                      adapter_id, (keys.salt,))
         return root
+
+    def _keys(self, adapter_id: int, cache_salt: object, extra_keys: object, keys: BlockKeys | None) -> BlockKeys | None:
+        """The prompt's `BlockKeys` at the unit: `keys` when given (already checked), else
+        built from `cache_salt` / `extra_keys` (None with neither)."""
+        if keys is not None:
+            if not isinstance(keys, BlockKeys) or keys.block_size != self._unit or keys.adapter_id != adapter_id:
+                raise ValueError(f"keys must be the BlockKeys of adapter {adapter_id} at the unit {self._unit}")
+            return keys
+        return block_keys(adapter_id, cache_salt, extra_keys, self._unit)
+
+    def hash_scheme(self) -> str:
+        """The scheme `block_hash` and events use ("pagedkv-blake2b-64" or "vllm-sha256-cbor")."""
+        return self._hash_scheme
+
+    def _hash_at(self, g: int, node: _Node):
+        """The hash events report for group g's entry on `node`: the node's chained 64-bit
+        hash, or vLLM's digest at the group's block size."""
+        if self._vroot is None:
+            return node.hash
+        group = self._groups[g]
+        return self._digest(node, self._layout.block_size(g) if group.is_attention() else self._unit)
+
+    def _digest(self, node: _Node, span: int) -> bytes:
+        """vLLM's digest of the block of `span` tokens ending at `node` (a multiple of the
+        unit), chained over the blocks of that size before it; kept on the nodes."""
+        r, u = span // self._unit, self._unit
+        chain = []
+        while node.depth and (node.digests is None or span not in node.digests):
+            chain.append(node)
+            for _ in range(r):
+                node = node.parent
+        parent = self._vroot if not node.depth else node.digests[span]
+        for end in reversed(chain):
+            units, n = [], end
+            for _ in range(r):
+                units.append(n)
+                n = n.parent
+            units.reverse()
+            tokens = [int.from_bytes(x.key[i:i + 8], "little") for x in units for i in range(0, 8 * u, 8)]
+            if end.digests is None:
+                end.digests = {}
+            end.digests[span] = parent = block_digest(parent, tokens, self._extra_of(end, span))
+        return parent
+
+    def _extra_of(self, end: _Node, span: int) -> tuple | None:
+        """The extra keys of the block of `span` tokens ending at `end` as vLLM places them:
+        its units' keys in position order, each once, then the salt on a salted prompt's
+        first block; None when there are none."""
+        units, n = [], end
+        for _ in range(span // self._unit):
+            units.append(n)
+            n = n.parent
+        extra = tuple(dict.fromkeys(k for x in reversed(units) for k in x.extra))
+        if n.parent is None and n.extra:  # the prompt's first block of a salted root: the salt last
+            extra += n.extra
+        return extra or None
+
+    @guarded
+    def block_hash(self, group: int, entry: int) -> int | bytes:
+        """The hash of cached entry `entry` of `group` (its events' `block_hash`): the 64-bit
+        chained hash, or under "vllm-sha256-cbor" the 32-byte digest. KeyError when not cached."""
+        g = self._layout.check_group(group)
+        node = self._where[g].get(entry)
+        if node is None:
+            raise KeyError(f"entry {entry!r} of group {g} is not cached")
+        return self._hash_at(g, node)
 
     def _touch(self, g: int, entry: int) -> None:
         if entry in self._where[g]:
@@ -232,8 +328,8 @@ class HybridPrefixCache:
 
     # -- match --------------------------------------------------------------------------
 
-    def _path(self, tokens: Sequence[int], limit: int, adapter_id: int) -> list[_Node]:
-        root = self._roots.get(adapter_id)
+    def _path(self, tokens: Sequence[int], limit: int, adapter_id: int, keys: BlockKeys | None = None) -> list[_Node]:
+        root = self._roots.get(adapter_id if keys is None else keys.root_key)
         path: list[_Node] = []
         if root is None:
             return path
@@ -241,7 +337,8 @@ class HybridPrefixCache:
         data = int64_bytes_of_ids(list(tokens[: (limit // u) * u]))
         step = 8 * u
         for k in range(limit // u):
-            node = node.children.get(data[k * step:(k + 1) * step])
+            key = data[k * step:(k + 1) * step]
+            node = node.children.get(key if keys is None else key + keys.suffix(k))
             if node is None:
                 break
             path.append(node)
@@ -283,15 +380,19 @@ class HybridPrefixCache:
         return 0
 
     @guarded
-    def match(self, tokens: Sequence[int], adapter_id: int = 0, limit: int | None = None) -> HybridMatch:
+    def match(self, tokens: Sequence[int], adapter_id: int = 0, limit: int | None = None,
+              cache_salt: str | bytes | None = None, extra_keys=None, *, keys: BlockKeys | None = None) -> HybridMatch:
         """The longest hybrid prefix of `tokens` (ending at most at `limit`, default all of
         them) under the match rule, with one reference taken on each block and checkpoint
-        it lists (give them back with `release`, or hand the match to `SequenceTable.add`)."""
+        it lists (give them back with `release`, or hand the match to `SequenceTable.add`).
+        `cache_salt` and `extra_keys` as for `PrefixCache.match` (`keys`: them already
+        checked, a `BlockKeys` at the unit, as the table passes them)."""
         self._check_open("match")
         tokens = token_ids(tokens, "tokens")
         adapter_id = adapter_id_checked(adapter_id)
+        keys = self._keys(adapter_id, cache_salt, extra_keys, keys)
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
-        path = self._path(tokens, limit, adapter_id)
+        path = self._path(tokens, limit, adapter_id, keys)
         p = self._best(path, limit)
         self.queries += 1
         self.query_tokens += len(tokens)
@@ -338,14 +439,17 @@ class HybridPrefixCache:
     # -- store --------------------------------------------------------------------------
 
     @guarded
-    def store(self, tokens: Sequence[int], adapter_id: int, group_entries: dict) -> int:
+    def store(self, tokens: Sequence[int], adapter_id: int, group_entries: dict, cache_salt: str | bytes | None = None,
+              extra_keys=None, *, keys: BlockKeys | None = None) -> int:
         """Cache entries of one chain: `group_entries[g]` lists `(position, id)` pairs, each an
         entry of group g ending at `position` (a block's end, or a checkpoint's position, a
         multiple of the unit) within `tokens`. A position that already holds an entry of g
         keeps it (the new id is not cached). The cache takes its own reference on each entry
-        it caches; the caller keeps its own. Returns how many entries were cached."""
+        it caches; the caller keeps its own. Returns how many entries were cached.
+        `cache_salt`, `extra_keys` and `keys` key the chain as for `match`."""
         self._check_open("store")
         adapter_id = adapter_id_checked(adapter_id)
+        keys = self._keys(adapter_id, cache_salt, extra_keys, keys)
         ends = [pos for pairs in group_entries.values() for pos, _ in pairs]
         if not ends:
             return 0
@@ -354,13 +458,16 @@ class HybridPrefixCache:
             raise ValueError(f"an entry ends at {deepest}, past the {len(tokens)} tokens given")
         u = self._unit
         data = int64_bytes_of_ids(list(tokens[: (deepest // u) * u]))
-        node, path, step = self._root(adapter_id), [], 8 * u
+        node, path, step = self._root(adapter_id, keys), [], 8 * u
         for k in range(deepest // u):
             key = data[k * step:(k + 1) * step]
+            if keys is not None:
+                key += keys.suffix(k)
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(node, key, k + 1, chain_hash(node.hash, tokens[k * u:(k + 1) * u]),
-                                                   adapter_id)
+                hash_ = int.from_bytes(chain_digest(node.hash.to_bytes(8, "little"), key), "little")
+                child = node.children[key] = _Node(node, key, k + 1, hash_, adapter_id,
+                                                   keys.keys_of_block(k) if keys is not None else ())
             node = child
             path.append(node)
         stored = 0
@@ -388,12 +495,13 @@ class HybridPrefixCache:
         span = self._layout.block_size(g) if group.is_attention() else u
         start = pos - span
         return GroupBlockStored(
-            g, entry, pos, path[pos // u - 1].hash, adapter_id,
+            g, entry, pos, self._hash_at(g, path[pos // u - 1]), adapter_id,
             token_ids=tuple(int(t) for t in tokens[start:pos]),
-            parent_block_hash=path[start // u - 1].hash if start > 0 else None,
+            parent_block_hash=self._hash_at(g, path[start // u - 1]) if start > 0 else None,
             block_size=span,
             kv_cache_spec_kind=SPEC_KINDS[group.kind],
             kv_cache_spec_sliding_window=group.window if group.kind == "sliding" else None,
+            extra_keys=self._extra_of(path[pos // u - 1], span),
         )
 
     # -- eviction -----------------------------------------------------------------------
@@ -436,7 +544,8 @@ class HybridPrefixCache:
         node = self._where[g].pop(entry)
         del self._last[g][entry]
         del node.entries[g]
-        self._emit(GroupBlockRemoved(g, entry, node.hash))
+        if self._events.consumer is not None:
+            self._emit(GroupBlockRemoved(g, entry, self._hash_at(g, node)))
         self._prune(node)
 
     def _prune(self, node: _Node | None) -> None:
@@ -497,7 +606,7 @@ class HybridPrefixCache:
                 while n.parent is not None:
                     keys.append(n.key)
                     n = n.parent
-                data = b"".join(reversed(keys))
+                data = b"".join(k[:8 * self._unit] for k in reversed(keys))
                 tokens = tuple(int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8))
                 out.append((node.adapter_id, tokens, g, entry))
         return out

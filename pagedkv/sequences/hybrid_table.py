@@ -10,7 +10,11 @@ checkpoint; copied on `fork`). With a prefix cache, a step (`add`/`append`) is g
 checkpoint slot per state group at every checkpoint position it reaches: each multiple of
 `checkpoint_every`, and for `add` the end of the prompt's last whole match unit and the
 branch point (`step_checkpoints`; `checkpoint_slots` exports the deepest); `cache_prefix`
-and `free` hand them to the prefix cache with the blocks.
+and `free` hand them to the prefix cache with the blocks. Checkpoint slots are best effort:
+when the state pool has no free or evictable slot left, the step keeps the deepest
+positions it can get, skips the others (`skipped_checkpoints()` counts them) and succeeds,
+so an undersized pool costs hits, never a failed decode step. `compute_num_blocks` sizes
+the pool so that this does not happen (`GroupLayout.checkpoints_per_sequence`).
 
 The branch point: where an added prompt leaves a chain the prefix cache holds, further than
 it hits (`HybridMatch.shared_tokens`), as a second conversation leaves the first one's
@@ -45,11 +49,12 @@ from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
 from ..core.validate import MAX_TOKEN_ID, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
-from ..errors import KvCacheError
+from ..errors import KvCacheError, KvCacheExhausted
 from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
 from ..tiers.hybrid_host_tier import check_tier_of
 from . import hybrid_swap
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
+from .block_keys import block_keys, extra_key_ranges, with_ranges
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .hybrid_swap import ParkedSequence
 from .tree import adapter_id_checked
@@ -70,7 +75,7 @@ class _Held:
 
 class _HSeq:
     __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
-                 "checkpoints", "step_checkpoints", "room", "helds")
+                 "checkpoints", "step_checkpoints", "room", "helds", "keys")
 
     def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
@@ -81,6 +86,7 @@ class _HSeq:
         self.step_checkpoints: dict[int, int] = {}  # state group -> how many of `checkpoints` the latest step added
         self.room = 0  # the decode fast path may grow the sequence up to this many tokens
         self.helds: tuple[_Held, ...] = ()  # held.values(), for the fast path
+        self.keys = None  # its BlockKeys at the prefix cache's unit (salt, extra keys), or None
 
 
 class _Undo:
@@ -123,7 +129,9 @@ class HybridSequenceTable(SequenceQueries):
         self._bs = {g: layout.block_size(g) for g in self._attn}
         self._window = {g: layout.groups[g].window for g in self._attn}
         self._unit = layout.unit
+        self._hash_unit = min(self._bs.values())  # the prefix cache's trie unit: extra keys are kept at it
         self._every = {g: layout.groups[g].checkpoint_every for g in self._states}
+        self._skipped = dict.fromkeys(self._states, 0)  # checkpoints skipped for want of a slot
         self._seqs: dict[Hashable, _HSeq] = {}
         self._pending: list[tuple[int, int, int]] = []
         self._pending_refs: list[tuple[int, int]] = []
@@ -152,6 +160,37 @@ class HybridSequenceTable(SequenceQueries):
             if end > old and end not in out:
                 out.append(end)
         return out
+
+    def _alloc_checkpoints(self, undo: _Undo, g: int, positions: list[int]) -> list[tuple[int, int]]:
+        """Checkpoint slots of state group g for `positions` (ascending), best effort: a
+        checkpoint only makes a later hit possible, so when the group's free and evictable
+        slots are short the step keeps the deepest positions it can get and skips the rest
+        (counted in `skipped_checkpoints`) rather than failing. The slots are initialised
+        (`_init_slots`) and recorded in `undo`."""
+        if not positions:
+            return []
+        try:
+            slots = undo.alloc(g, len(positions))
+        except KvCacheExhausted:
+            group = self._groups[g]
+            evictable = 0
+            if self._prefix is not None and not self._prefix.closed():
+                evictable = sum(1 for slot in self._prefix.block_references(g) if group.ref_count(slot) == 1)
+            have = min(len(positions) - 1, group.num_free_blocks() + evictable)
+            self._skipped[g] += len(positions) - have
+            positions = positions[len(positions) - have:]
+            slots = undo.alloc(g, have)
+        self._init_slots(g, slots)
+        return list(zip(positions, slots))
+
+    def skipped_checkpoints(self, group: int | None = None) -> int:
+        """Checkpoints a step could not be given a slot for since the table was built (state
+        group `group`; every state group when None): the state pool held no free or
+        evictable slot for them. Such a step still succeeds; its skipped positions are
+        simply never cached (a later prompt cannot hit there)."""
+        if group is None:
+            return sum(self._skipped.values())
+        return self._skipped[self._state(group)]
 
     def _init_blocks(self, g: int, blocks: list[int]) -> None:
         if blocks and self._gpu is not None:
@@ -188,22 +227,27 @@ class HybridSequenceTable(SequenceQueries):
     # -- lifecycle ----------------------------------------------------------------------
 
     @guarded
-    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0) -> int:
+    def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0,
+            cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
         match: whole match units, never the last prompt token). Each attention group reuses
         its matched blocks (a sliding group only those its window still needs), each state
         group copies the matched checkpoint into the new live slot (zeroed without a hit) and
         is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
-        docstring). KvCacheExhausted (nothing changed) when a group runs out."""
+        docstring). KvCacheExhausted (nothing changed) when a group runs out of blocks or live
+        slots; checkpoint slots are best effort (`_alloc_checkpoints`: short ones are skipped).
+        `cache_salt` and `extra_keys` key the prompt as in `SequenceTable.add` (a namespace;
+        keys of the units they cover): the match and every later offer of its entries."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens = valid_token_ids(prompt_tokens, "prompt_tokens")
         adapter_id = adapter_id_checked(adapter_id)
+        keys = block_keys(adapter_id, cache_salt, extra_keys, self._hash_unit)
         n = len(tokens)
         prefix = self._prefix
         found = None
         if prefix is not None and n > 1:
-            found = prefix.match(tokens, adapter_id, limit=n - 1)
+            found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys)
         p = found.num_tokens if found is not None else 0
         branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
         undo = _Undo(self._groups)
@@ -235,11 +279,9 @@ class HybridSequenceTable(SequenceQueries):
                 positions = self._checkpoints_in(g, p, n, prompt=True) if prefix is not None else []
                 if branch and branch not in positions:
                     positions = sorted(positions + [branch])
-                slots = undo.alloc(g, len(positions)) if positions else []
-                if slots:
-                    self._init_slots(g, slots)
-                seq.checkpoints[g] = list(zip(positions, slots))
-                seq.step_checkpoints[g] = len(slots)
+                pairs = self._alloc_checkpoints(undo, g, positions)
+                seq.checkpoints[g] = pairs
+                seq.step_checkpoints[g] = len(pairs)
             for g in self._states:  # last: nothing after this can fail
                 ckpt = found.checkpoints[g] if found is not None else None
                 if ckpt is not None:
@@ -257,18 +299,29 @@ class HybridSequenceTable(SequenceQueries):
                         self._pending_refs.append((g, ckpt))  # kept until the engine took the copy
                     else:
                         self._cache.group(g).free_blocks([ckpt])
+        seq.keys = keys
         self._seqs[seq_id] = seq
         return p
 
-    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+    def append(self, seq_id: Hashable, n_tokens: int | None = None, token_ids: Sequence[int] | None = None,
+               extra_keys=None) -> None:
         """Extend a sequence by `n_tokens` (default len(token_ids), else 1) in every group:
         new blocks at block boundaries, a shared partly filled last block copied first, a
         sliding group's blocks wholly out of its window released (and the add step's
         branch-point blocks); a checkpoint slot at each `checkpoint_every` position reached.
-        KvCacheExhausted, nothing changed, when a group runs out.
+        KvCacheExhausted, nothing changed, when a group runs out of blocks; a checkpoint no
+        slot is left for is skipped (`skipped_checkpoints`), the step still succeeds.
 
         A decode step's one token id (`token_ids=[t]`) that needs none of that (no block
-        boundary, release, copy or checkpoint in any group: `_room`) only counts the token."""
+        boundary, release, copy or checkpoint in any group: `_room`) only counts the token.
+
+        `extra_keys` key the appended tokens as `SequenceTable.append`'s: `(offset, length,
+        key)` ranges counted from this step's first token, each within the step (ValueError
+        naming it, nothing changed), attached once the step succeeded, after the keys given
+        before; the entries they cover are offered to the prefix cache under them."""
+        if extra_keys is not None:
+            self._append_keyed(seq_id, n_tokens, token_ids, extra_keys)
+            return
         seq = self._seqs.get(seq_id)
         if (seq is not None and type(token_ids) is list and len(token_ids) == 1 and seq.num_tokens < seq.room
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
@@ -292,6 +345,25 @@ class HybridSequenceTable(SequenceQueries):
                         token.append(True)
                     return
         self._append(seq_id, n_tokens, token_ids)
+
+    @guarded
+    def _append_keyed(self, seq_id: Hashable, n_tokens, token_ids, extra_keys) -> None:
+        """`append` with extra keys for the step's tokens: checked first, attached after."""
+        seq = self._get(seq_id)
+        ranges = extra_key_ranges(extra_keys)
+        if n_tokens is None:
+            n = 1 if token_ids is None else len(valid_token_ids(token_ids, "token_ids"))
+        else:
+            n = non_negative_int(n_tokens, "n_tokens")
+        for i, (offset, length, _key) in enumerate(ranges):
+            if offset + length > n:
+                raise ValueError(
+                    f"extra_keys[{i}] covers tokens [{offset}, {offset + length}) of the step, which appends {n}"
+                )
+        start = seq.num_tokens
+        self._append(seq_id, n_tokens, token_ids)
+        shifted = tuple((start + offset, length, key) for offset, length, key in ranges)
+        seq.keys = with_ranges(seq.keys, seq.adapter_id, shifted, self._hash_unit)
 
     def _room(self, seq: _HSeq) -> int:
         """The most tokens the sequence can reach one token at a time with nothing but counts
@@ -351,11 +423,9 @@ class HybridSequenceTable(SequenceQueries):
             new_ckpts = []
             if self._prefix is not None:
                 for g in self._states:
-                    positions = self._checkpoints_in(g, old, total, prompt=False)
-                    if positions:
-                        slots = undo.alloc(g, len(positions))
-                        self._init_slots(g, slots)
-                        new_ckpts.append((g, list(zip(positions, slots))))
+                    pairs = self._alloc_checkpoints(undo, g, self._checkpoints_in(g, old, total, prompt=False))
+                    if pairs:
+                        new_ckpts.append((g, pairs))
             for g, first, start, fresh, copy in plans:
                 if copy:
                     self._copy(g, seq.held[g].blocks[-1], fresh[0])
@@ -413,7 +483,7 @@ class HybridSequenceTable(SequenceQueries):
                 known = min(len(seq.tokens), written)
                 pairs = [((i + 1) * bs, b) for i, b in sorted(extra.items()) if (i + 1) * bs <= known]
                 if pairs:
-                    prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+                    prefix.store(seq.tokens, seq.adapter_id, {g: pairs}, keys=seq.keys)
             self._groups[g].free_blocks(list(extra.values()))
 
     def _offer_released(self, seq: _HSeq, g: int, first: int, blocks: list[int], written: int) -> None:
@@ -425,7 +495,7 @@ class HybridSequenceTable(SequenceQueries):
         bs, known = self._bs[g], min(len(seq.tokens), written)
         pairs = [((i + 1) * bs, b) for i, b in enumerate(blocks, first) if (i + 1) * bs <= known]
         if pairs:
-            prefix.store(seq.tokens, seq.adapter_id, {g: pairs})
+            prefix.store(seq.tokens, seq.adapter_id, {g: pairs}, keys=seq.keys)
 
     @guarded
     def fork(self, src: Hashable, dst: Hashable) -> None:
@@ -436,7 +506,7 @@ class HybridSequenceTable(SequenceQueries):
             raise ValueError(f"sequence {dst!r} already exists")
         undo = _Undo(self._groups)
         child = _HSeq(parent.num_tokens, list(parent.tokens), parent.adapter_id, parent.num_tokens)
-        child.tokens_known = parent.tokens_known
+        child.tokens_known, child.keys = parent.tokens_known, parent.keys
         try:
             for g in self._states:
                 (slot,) = undo.alloc(g, 1)
@@ -471,7 +541,7 @@ class HybridSequenceTable(SequenceQueries):
             pairs = [(pos, slot) for pos, slot in seq.checkpoints[g] if pos <= limit]
             if pairs:
                 entries[g] = pairs
-        return prefix.store(seq.tokens, seq.adapter_id, entries) if entries else 0
+        return prefix.store(seq.tokens, seq.adapter_id, entries, keys=seq.keys) if entries else 0
 
     def _drop_checkpoints(self, seq: _HSeq) -> None:
         for g in self._states:
@@ -671,7 +741,9 @@ class HybridSequenceTable(SequenceQueries):
         given in state group `group`, ascending: the positions of `(old, new]` that are
         multiples of `checkpoint_every`, and for `add` the end of the prompt's last whole match
         unit. The engine writes the state as of each position into its slot before the step's
-        `cache_prefix` or `free` (after which the slots belong to the prefix cache)."""
+        `cache_prefix` or `free` (after which the slots belong to the prefix cache). When the
+        state pool is short the step lists only the deepest positions it got slots for
+        (`skipped_checkpoints` counts the rest)."""
         g = self._state(group)
         return list(self._step_pairs(self._get(seq_id), g))
 

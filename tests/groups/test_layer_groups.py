@@ -115,9 +115,10 @@ def test_bytes_per_sequence_caps_a_sliding_group_at_its_window():
 def test_split_budget_sizes_every_group_for_the_same_sequences():
     config = hybrid_config()
     layout = GroupLayout(config)
-    per_seq = 25 * layout.bytes_per_block(0) + 3 * layout.bytes_per_block(1) + 2 * 76
+    # a live slot and two checkpoints (the prompt end, a branch point: no checkpoint_every)
+    per_seq = 25 * layout.bytes_per_block(0) + 3 * layout.bytes_per_block(1) + 3 * 76
     rows = split_budget(config, 4 * per_seq, context=100, concurrency=4)
-    assert [(r.kind, r.count) for r in rows] == [("full", 100), ("sliding", 12), ("state", 8)]
+    assert [(r.kind, r.count) for r in rows] == [("full", 100), ("sliding", 12), ("state", 12)]
     assert sum(r.bytes for r in rows) <= 4 * per_seq
     assert rows[0].bytes_per_sequence == 25 * layout.bytes_per_block(0)
     with pytest.raises(ValueError, match="does not hold one sequence"):
