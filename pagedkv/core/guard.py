@@ -105,7 +105,7 @@ def guarded_call(guard: ThreadGuard, fn, pending=None, deliver=None):
     token = guard.token
     get_ident = threading.get_ident
 
-    def call(*args):
+    def call(*args, **kwargs):
         try:
             token.pop()
         except IndexError:
@@ -113,14 +113,14 @@ def guarded_call(guard: ThreadGuard, fn, pending=None, deliver=None):
                 raise guard.busy() from None
             guard.depth += 1  # this thread re-entering
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 guard.depth -= 1
         guard.owner = get_ident()  # a full claim: the call may come back in (an eviction)
         guard.depth = 1
         guard.lent = True
         try:
-            result = fn(*args)
+            result = fn(*args, **kwargs)
         finally:
             guard.lent = False
             guard.depth = 0

@@ -235,13 +235,14 @@ class HostTier:
             for block in blocks:
                 heapq.heappush(self._free, block)
 
-    def checked_free(self, blocks: Sequence[int]) -> list[int]:
-        """`blocks` after every check `free` makes (nothing freed): each valid, allocated, listed once."""
-        blocks = self._host_blocks(blocks, "free")
-        self._check_allocated(blocks, "free of")
-        self._check_not_owned(blocks, "free")
+    def checked_free(self, blocks: Sequence[int], verb: str = "free") -> list[int]:
+        """`blocks` after every check `free` makes (nothing freed): each valid, allocated, not
+        the prefix cache's (unless it is the caller), listed once."""
+        blocks = self._host_blocks(blocks, verb)
+        self._check_allocated(blocks, f"{verb} of")
+        self._check_not_owned(blocks, verb)
         if len(set(blocks)) != len(blocks):
-            raise ValueError(f"host tier free lists a block twice: {blocks}")
+            raise ValueError(f"host tier {verb} lists a block twice: {blocks}")
         return blocks
 
     def abandon(self, handle: SwapHandle, blocks: Sequence[int]) -> None:
@@ -249,8 +250,7 @@ class HostTier:
         established (its `wait` or `done` raised) may still touch: they leave the LRU now and
         become free once `handle` is known done; the tier keeps the handle (and its event)
         and retries it at every `alloc` that needs them and at `release`."""
-        blocks = self._host_blocks(blocks, "abandon")
-        self._check_allocated(blocks, "abandon of")
+        blocks = self.checked_free(blocks, "abandon")
         for block in blocks:
             self._lru.pop(block, None)
         self._allocated[blocks] = False

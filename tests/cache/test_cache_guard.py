@@ -50,6 +50,11 @@ CALLS = {
                                                     np.ones((1, 1, 16), np.float32), g, 0),
     "reserve": lambda c, g, h: c.reserve(1, g),
     "shrink": lambda c, g, h: c.shrink(g),
+    # keyword arguments pass through the guard as they do without it
+    "write_tokens by keyword": lambda c, g, h: c.write_tokens(0, [h[0] * BS], np.ones((1, 1, 16), np.float32),
+                                                               np.ones((1, 1, 16), np.float32), g, 0, k_scale=1.0),
+    "shrink by keyword": lambda c, g, h: c.shrink(g, streams=()),
+    "fill_blocks by keyword": lambda c, g, h: c.fill_blocks(h, 7, gpu=g, stream=0),
     "release": lambda c, g, h: c.release(g),
 }
 

@@ -166,3 +166,29 @@ def test_an_unmap_of_nothing_mapped_is_chunk_not_mapped():
         gpu.unmap_chunk(base, 4096)  # unmapped already: a retry after a late failure finds it gone
     assert isinstance(caught.value, DeviceMemoryError)
     gpu.release_address(base)
+
+
+def test_abandon_refuses_a_repeated_block_and_a_block_the_prefix_cache_holds():
+    gpu = HostBackend(1 << 22)
+    cache = PagedKvCache(KvCacheConfig(4, 1, 16, 2, "bf16"), 4, gpu)
+    tier = HostTier(cache, 4, gpu)
+    host, device = tier.alloc(2), cache.alloc_blocks(2)
+    handle = tier.swap_out(device, host, 0)
+    with pytest.raises(ValueError, match=r"host tier abandon lists a block twice: \[%d, %d\]" % (host[0], host[0])):
+        tier.abandon(handle, [host[0], host[0]])
+    assert tier.num_free_blocks() == 2  # nothing changed
+    handle.wait()
+    tier.free(host)
+    cache.free_blocks(device)
+    prefix = PrefixCache(cache, host_tier=tier)
+    table = SequenceTable(cache, prefix, gpu)
+    table.add("a", list(range(9)))
+    table.free("a")
+    prefix.evict(2)  # both cached blocks demoted to the host tier
+    cached = tier.lru_blocks()
+    assert len(cached) == 2
+    with pytest.raises(Exception, match="PrefixCache holds it"):
+        tier.abandon(handle, cached[:1])
+    assert tier.lru_blocks() == cached
+    prefix.close()
+    _release(gpu, cache, tier)
