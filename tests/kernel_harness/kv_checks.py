@@ -128,7 +128,17 @@ for order in ORDERS:
                 KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), vp, vs, BF16_IN, V_SCALE),
                 stream)
             rec = launch(-1)[0]
-            want = b"pagedkv_kv_write16" if {{k_fmt.value, v_fmt.value}} <= {{"bf16", "fp8"}} else b"pagedkv_kv_write"
+            pair = {{k_fmt.value, v_fmt.value}}
+            if pair <= {{"bf16", "fp8"}}:
+                want = b"pagedkv_kv_write16"
+            elif pair == {{"nvfp4"}}:
+                want = b"pagedkv_kv_write_nvfp4"
+            elif head_dim == 128 and pair <= {{"turbo4", "turbo3", "turbo2"}}:
+                want = b"pagedkv_kv_write_turbo_h128"
+            elif head_dim == 128 and pair == {{"turbo8"}}:
+                want = b"pagedkv_kv_write_turbo8_h128"
+            else:
+                want = b"pagedkv_kv_write"
             assert rec.name == want and 1 <= rec.grid[0] <= 2, (rec.name, rec.grid[0])
         gpu.synchronize(stream)
         got_pools = pool_bytes(gpu, pools)
