@@ -1192,7 +1192,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 4) pagedkv_kv_read_nvfp
 }
 
 extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_write_turbo_h128(PKV_KV_PARAMS(src)) {
-    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_TURBO4, PATH_HEADS128, 8);
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_TURBO4, PATH_HEADS128, 12);
     if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
 }
 
@@ -1201,7 +1201,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_read_turb
 }
 
 extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_write_turbo8_h128(PKV_KV_PARAMS(src)) {
-    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_TURBO8, PATH_HEADS128, 8);
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_TURBO8, PATH_HEADS128, 12);
     if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
 }
 
