@@ -166,6 +166,10 @@ __device__ void unpack_codes(const u8* in, int bits, u32* c) {
 //   registers for strides below E and by warp shuffles above; each group's amax and sums of
 //   squares across its 16 / E lanes by shuffles (the sums in element order, exact); the
 //   packed codes and scales gathered by shuffles into 8-byte words.
+// Kernels: pagedkv_kv_write / _read take every format (their paths' registers: the most of
+// any); _write16 / _read16 bf16 and fp8 sides only; the one-path kernels (_nvfp4, _turbo_h128,
+// _turbo8_h128) one kind of side on one path, a warp loading a batch of its units before
+// computing any (more bytes in flight a lane). The driver picks the kernel from the sides.
 // Codebooks and sign tables are copied to shared memory once per CTA, so a lookup indexed
 // by a code or a lane is a conflict-free shared read, not a serialised constant read.
 
