@@ -121,11 +121,19 @@ class KvCheckSlotsArgs(ctypes.Structure):
     ]
 
 
+ONE_PATH_KERNELS = ("_nvfp4", "_turbo_h128", "_turbo8_h128")
+"""Suffixes of kv_rows.cu's one-path row kernels (`pagedkv_kv_write_nvfp4`, ...): sides of one
+kind on one path only, each with that path's registers alone and a batch of units a warp
+loads at once (see `row_kernel_suffix`)."""
+
 KERNEL_TABLE = [("pagedkv_kv_write", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read", KvReadArgs, KV_THREADS),
                 ("pagedkv_kv_write16", KvWriteArgs, KV_THREADS), ("pagedkv_kv_read16", KvReadArgs, KV_THREADS),
+                *[(f"pagedkv_kv_{op}{suffix}", args, KV_THREADS)
+                  for suffix in ONE_PATH_KERNELS for op, args in (("write", KvWriteArgs), ("read", KvReadArgs))],
                 ("pagedkv_kv_check_slots", KvCheckSlotsArgs, KV_THREADS)]
 """(kernel name, argument structure, threads per CTA) of kv_rows.cu's row kernels; the `16`
-ones take bf16 and fp8 sides only (fewer registers, more CTAs an SM)."""
+ones take bf16 and fp8 sides only (fewer registers, more CTAs an SM), the ONE_PATH_KERNELS
+ones the sides of their one path."""
 
 WARPS = KV_THREADS // 32
 
@@ -134,6 +142,28 @@ _NO_INLINE_LAYER = {"heads": 0, "head_dim": 0, "inv_sqrt_n": 0.0,
                        for p in "kv" for n, _ in _SIDE_FIELDS}}
 """The inline layer fields of a layer-table launch (unused by the kernel)."""
 _ROWS16 = frozenset((0, 1, -1))  # FMT_BF16, FMT_FP8, a skipped side
+_TURBO_KIND = {3: 3, 4: 3, 5: 3, 6: 6}  # FMT_TURBO4/3/2 share one kind (FMT_TURBO4); FMT_TURBO8 its own
+
+
+def _side_path(fmt: int, first: int, head_dim: int) -> str | None:
+    """The one-path kernel suffix a side fits (None: only the every-format kernels)."""
+    if fmt == 2:
+        return "_nvfp4"
+    if fmt in _TURBO_KIND and first >= 0 and head_dim == 128:
+        return "_turbo_h128" if _TURBO_KIND[fmt] == 3 else "_turbo8_h128"
+    return None
+
+
+def row_kernel_suffix(sides) -> str:
+    """The suffix of the row kernel for sides given as (format code, first sign table,
+    head_dim): "16" when every side is bf16, fp8 or skipped; a ONE_PATH_KERNELS suffix when
+    every side that is not skipped fits that one path (nvfp4; rotated turbo4/3/2 of head_dim
+    128; rotated turbo8 of head_dim 128); else "" (the every-format kernels)."""
+    sides = [s for s in sides if s[0] != SKIP_SIDE]
+    if all(fmt in _ROWS16 for fmt, _, _ in sides):
+        return "16"
+    paths = {_side_path(*s) for s in sides}
+    return paths.pop() if len(paths) == 1 and None not in paths else ""
 
 
 def side_units(fmt: int, heads: int, head_dim: int, first: int, tokens: int) -> int:
@@ -294,17 +324,18 @@ class KvKernels:
                 target.first, target.last = fields[f"{prefix}_first"], fields[f"{prefix}_last"]
         return table
 
-    def kv_layer_launch(self, table_bytes: bytes) -> tuple[bool, int, int]:
-        """(bf16/fp8 sides only, units per token, fixed units) of a layer table's bytes: what
-        `kv_write_layers` / `kv_read_layers` take to pick their kernel and size the grid."""
+    def kv_layer_launch(self, table_bytes: bytes) -> tuple[str, int, int]:
+        """(row kernel suffix, units per token, fixed units) of a layer table's bytes: what
+        `kv_write_layers` / `kv_read_layers` take to pick their kernel (`row_kernel_suffix`
+        of every side of the table) and size the grid."""
         table = (KvLayer * (len(table_bytes) // ctypes.sizeof(KvLayer))).from_buffer_copy(table_bytes)
-        rows16 = all(side.fmt in _ROWS16 for entry in table for side in entry.side)
+        suffix = row_kernel_suffix((side.fmt, side.first, entry.head_dim) for entry in table for side in entry.side)
         per_token, fixed = layers_units(table)
-        return rows16, per_token, fixed
+        return suffix, per_token, fixed
 
     def kv_write_layers(self, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
                         block_size: int, limit: int, stream: int, nonfinite: int = 0,
-                        launch: tuple[bool, int, int] | None = None) -> None:
+                        launch: tuple[str, int, int] | None = None) -> None:
         """Enqueue on `stream` one launch writing `num_tokens` rows of each of the
         `num_layers` layers of the device table at `table` (`kv_layer_table`'s bytes, in
         this backend's memory) into the slots at `slots`, as `kv_write_rows` does per layer.
@@ -314,7 +345,7 @@ class KvKernels:
                             stream, launch, int(nonfinite))
 
     def kv_read_layers(self, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
-                       block_size: int, limit: int, stream: int, launch: tuple[bool, int, int] | None = None) -> None:
+                       block_size: int, limit: int, stream: int, launch: tuple[str, int, int] | None = None) -> None:
         """Enqueue on `stream` one launch decoding the `num_tokens` slots at `slots` of each of
         the `num_layers` layers of the device table at `table` (`kv_layer_table(...,
         reading=True)`'s bytes) into each layer's output rows (a slot outside 0..limit-1
@@ -327,9 +358,8 @@ class KvKernels:
         handle = self._stream(stream)
         if num_tokens == 0 or num_layers == 0:
             return
-        rows16, per_token, fixed = launch if launch is not None else (False, 1 << 30, 0)
-        if rows16:
-            name += "16"
+        suffix, per_token, fixed = launch if launch is not None else ("", 1 << 30, 0)
+        name += suffix
         units = per_token * num_tokens + fixed
         with self._lock:
             self._enter()
@@ -350,8 +380,7 @@ class KvKernels:
             **self._side_fields("k", k, head_dim, name.endswith("read")),
             **self._side_fields("v", v, head_dim, name.endswith("read")),
         )
-        if fields["k_fmt"] in _ROWS16 and fields["v_fmt"] in _ROWS16:
-            name += "16"
+        name += row_kernel_suffix((fields[f"{p}_fmt"], fields[f"{p}_first"], head_dim) for p in "kv")
         units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens)
                  + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens))
         from .launch import PreparedLaunch  # not at import: pagedkv.kv_device imports this module
@@ -387,15 +416,14 @@ class KvKernels:
 
     def kv_prepare_layers(self, reading: bool, table: DevicePtr, num_layers: int, slots: DevicePtr, num_tokens: int,
                           block_size: int, limit: int, nonfinite: int = 0,
-                          launch: tuple[bool, int, int] | None = None) -> "PreparedLaunch | None":
+                          launch: tuple[str, int, int] | None = None) -> "PreparedLaunch | None":
         """`kv_write_layers` (`kv_read_layers` when `reading`) as a PreparedLaunch; None for
         no tokens or layers."""
         if num_tokens == 0 or num_layers == 0:
             return None
         name = "pagedkv_kv_read" if reading else "pagedkv_kv_write"
-        rows16, per_token, fixed = launch if launch is not None else (False, 1 << 30, 0)
-        if rows16:
-            name += "16"
+        suffix, per_token, fixed = launch if launch is not None else ("", 1 << 30, 0)
+        name += suffix
         units = per_token * num_tokens + fixed
         fields = dict(_NO_INLINE_LAYER, layers=int(table), num_layers=num_layers, slots=int(slots),
                       num_tokens=num_tokens, block_size=block_size, limit=limit, nonfinite=int(nonfinite))
@@ -417,8 +445,7 @@ class KvKernels:
                 **self._side_fields("k", k, head_dim, name.endswith("read")),
                 **self._side_fields("v", v, head_dim, name.endswith("read")),
             )
-            if fields["k_fmt"] in _ROWS16 and fields["v_fmt"] in _ROWS16:
-                name += "16"
+            name += row_kernel_suffix((fields[f"{p}_fmt"], fields[f"{p}_first"], head_dim) for p in "kv")
             units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens)
                      + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens))
             self._launchers[name].launch(self._grid(name, -(-units // WARPS)), handle, layers=0, num_layers=0,

@@ -166,6 +166,10 @@ __device__ void unpack_codes(const u8* in, int bits, u32* c) {
 //   registers for strides below E and by warp shuffles above; each group's amax and sums of
 //   squares across its 16 / E lanes by shuffles (the sums in element order, exact); the
 //   packed codes and scales gathered by shuffles into 8-byte words.
+// Kernels: pagedkv_kv_write / _read take every format (their paths' registers: the most of
+// any); _write16 / _read16 bf16 and fp8 sides only; the one-path kernels (_nvfp4, _turbo_h128,
+// _turbo8_h128) one kind of side on one path, a warp loading a batch of its units before
+// computing any (more bytes in flight a lane). The driver picks the kernel from the sides.
 // Codebooks and sign tables are copied to shared memory once per CTA, so a lookup indexed
 // by a code or a lane is a conflict-free shared read, not a serialised constant read.
 
@@ -643,32 +647,85 @@ __device__ __forceinline__ u32 chunk_unit(const KvSide& S, const SideGeometry& g
     return 0;
 }
 
+// What a unit's load phase leaves for its compute phase: the slot and the source rows of a
+// write (ROW elements a lane) or the stored words of a read, loaded before any unit of the
+// batch is computed, so a lane has all its batch's loads in flight at once.
+template <int ROW>
+struct UnitIn {
+    i64 slot;
+    float x[ROW];   // write: the lane's row elements
+    u64 d[2];       // read: the lane's data words (or the raw word a shuffle spreads)
+    u64 sword;      // read: the lane's scale word (or the raw word a shuffle spreads)
+};
+
 // Grouped formats without rotation: a group a lane (kind KIND as encode_group_bits).
 // `sets`: whole sets of 8 groups a row and 8-byte aligned rows, so the 8 lanes of a set (one
-// row) move 8-byte words.
+// row) move 8-byte words. group_load issues the unit's global loads; group_unit the rest.
+template <int KIND>
+__device__ __forceinline__ int group_data_bits(const KvSide& S) {
+    return GROUP * (KIND == FMT_TURBO8 ? 8 : (KIND == FMT_NVFP4 ? 4 : book_of(S.fmt).bits));
+}
+
 template <int KIND, bool WRITE>
-__device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
-                                          int block_size, i64 limit, i64 u, bool rows_vec, bool sets) {
-    const int F = GROUP * (KIND == FMT_TURBO8 ? 8 : (KIND == FMT_NVFP4 ? 4 : book_of(S.fmt).bits));  // data bits a group
+__device__ __forceinline__ void group_load(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
+                                           int block_size, i64 limit, i64 u, bool rows_vec, bool sets,
+                                           UnitIn<GROUP>& in) {
+    const int F = group_data_bits<KIND>(S);  // data bits a group
     constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
     const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
     const i64 item = u * 32 + lane_id();
     const bool in_range = item < (i64)tokens * groups;
     const int token = in_range ? (int)(item / groups) : 0;
     const i64 gi = in_range ? item - (i64)token * groups : 0;
-    const i64 slot = in_range ? slots[token] : -1;
+    in.slot = in_range ? slots[token] : -1;
+    const bool valid = in.slot >= 0 && in.slot < limit;
+    const int sub = (int)(lane_id() & 7u);
+    if (WRITE) {
+        if (valid) load_elems<GROUP>(S.rows, S.bf16, (i64)token * S.row_stride + GROUP * gi, rows_vec, GROUP, in.x);
+        return;
+    }
+    in.d[0] = in.d[1] = in.sword = 0;
+    if (!valid) return;
+    const SlotRows at = slot_rows(S, g, block_size, in.slot);
+    if (!sets) {
+        const u8* data = at.data + gi * (F / 8);
+        in.d[0] = load_word(data, F / 8 < 8 ? F / 8 : 8, false);
+        if (F > 64) in.d[1] = load_word(data + 8, 8, false);
+        in.sword = load_word(at.scales + gi * (SF / 8), SF / 8, false);
+    } else if (F == 128) {
+        const uint4 v = *(const uint4*)(at.data + gi * 16);
+        in.d[0] = (u64)v.x | ((u64)v.y << 32);
+        in.d[1] = (u64)v.z | ((u64)v.w << 32);
+    } else if (F == 64) {
+        in.d[0] = *(const u64*)(at.data + gi * 8);
+    } else if (sub < F / 8) {
+        in.d[0] = *(const u64*)(at.data + (gi - sub) * (F / 8) + 8 * sub);
+    }
+    if (sets && sub < SF / 8) in.sword = *(const u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub);
+}
+
+template <int KIND, bool WRITE>
+__device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g, int tokens, int block_size,
+                                          i64 limit, i64 u, bool rows_vec, bool sets, UnitIn<GROUP>& in) {
+    const int F = group_data_bits<KIND>(S);  // data bits a group
+    constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
+    const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
+    const i64 item = u * 32 + lane_id();
+    const bool in_range = item < (i64)tokens * groups;
+    const int token = in_range ? (int)(item / groups) : 0;
+    const i64 gi = in_range ? item - (i64)token * groups : 0;
+    const i64 slot = in.slot;
     const bool valid = in_range && slot >= 0 && slot < limit;
     const i64 e = (i64)token * S.row_stride + GROUP * gi;
     const int sub = (int)(lane_id() & 7u);  // lane in its set of 8 (one row when `sets`)
     SlotRows at = {nullptr, nullptr};
     if (valid) at = slot_rows(S, g, block_size, slot);
-    float x[GROUP];
+    float (&x)[GROUP] = in.x;
     u64 d[2];
     if (WRITE) {
         u32 bad = 0, sb = 0;
         d[0] = d[1] = 0;
         if (valid) {
-            load_elems<GROUP>(S.rows, S.bf16, e, rows_vec, GROUP, x);
 #pragma unroll
             for (int k = 0; k < GROUP; k++) bad += is_nonfinite(x[k]);
             sb = encode_group_bits<KIND>(S.fmt, x, d);
@@ -699,30 +756,12 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
         if (valid && sub < SF / 8) *(u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub) = sword;
         return bad;
     }
-    u32 sb = 0;
-    d[0] = d[1] = 0;
-    if (!sets) {
-        if (valid) {
-            const u8* data = at.data + gi * (F / 8);
-            d[0] = load_word(data, F / 8 < 8 ? F / 8 : 8, false);
-            if (F > 64) d[1] = load_word(data + 8, 8, false);
-            sb = (u32)load_word(at.scales + gi * (SF / 8), SF / 8, false);
-        }
-    } else {
-        if (F == 128) {
-            if (valid) {
-                const uint4 v = *(const uint4*)(at.data + gi * 16);
-                d[0] = (u64)v.x | ((u64)v.y << 32);
-                d[1] = (u64)v.z | ((u64)v.w << 32);
-            }
-        } else if (F == 64) {
-            if (valid) d[0] = *(const u64*)(at.data + gi * 8);
-        } else {
-            const u64 word = valid && sub < F / 8 ? *(const u64*)(at.data + (gi - sub) * (F / 8) + 8 * sub) : 0;
-            d[0] = scatter_field<8>(word, F, sub, F / 8);
-        }
-        const u64 sword = valid && sub < SF / 8 ? *(const u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub) : 0;
-        sb = (u32)scatter_field<8>(sword, SF, sub, SF / 8);
+    u32 sb = (u32)in.sword;
+    d[0] = in.d[0];
+    d[1] = in.d[1];
+    if (sets) {
+        if (F < 64) d[0] = scatter_field<8>(in.d[0], F, sub, F / 8);
+        sb = (u32)scatter_field<8>(in.sword, SF, sub, SF / 8);
     }
     if (!in_range) return 0;
     if (valid) {
@@ -736,10 +775,50 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
 }
 
 // Rotated turbo formats (KIND: FMT_TURBO8, or FMT_TURBO4 for every codebook format): unit u
-// is (token, head); lane L holds elements [E * L, E * L + E).
+// is (token, head); lane L holds elements [E * L, E * L + E). head_load issues the unit's
+// global loads (the rows of a write; the data and scale words of a read), head_unit the rest.
 template <int KIND, int E, bool WRITE>
-__device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int block_size,
-                                         i64 limit, i64 u, bool rows_vec, bool words_vec) {
+__device__ __forceinline__ void head_load(const KvSide& S, const SideGeometry& g, const i64* slots, int block_size,
+                                          i64 limit, i64 u, bool rows_vec, bool words_vec, UnitIn<E>& in) {
+    constexpr int P = GROUP / E;                                  // lanes a group
+    constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
+    constexpr int SCALE_BYTES = (32 / P) * SF / 8;                // a head's scale bytes
+    const int bits = KIND == FMT_TURBO8 ? 8 : book_of(S.fmt).bits;
+    const int F = E * bits;                                       // data bits a lane
+    const int data_bytes = 4 * F;                                 // a head's: 32 lanes x F bits
+    const int lane = (int)lane_id();
+    const int token = (int)(u / S.heads), h = (int)(u - (i64)token * S.heads);
+    in.slot = slots[token];
+    const bool valid = in.slot >= 0 && in.slot < limit;  // uniform over the warp: one head of one token
+    if (WRITE) {
+        if (valid) load_elems<E>(S.rows, S.bf16, (i64)token * S.row_stride + (i64)h * S.head_dim + E * lane, rows_vec, E, in.x);
+        return;
+    }
+    in.d[0] = in.d[1] = in.sword = 0;
+    if (!valid) return;
+    const SlotRows at = slot_rows(S, g, block_size, in.slot);
+    const u8* data = at.data + (i64)h * data_bytes;
+    const u8* scales = at.scales + (i64)h * SCALE_BYTES;
+    if (F == 128) {
+        if (words_vec) {
+            const uint4 v = *(const uint4*)(data + 16 * lane);
+            in.d[0] = (u64)v.x | ((u64)v.y << 32);
+            in.d[1] = (u64)v.z | ((u64)v.w << 32);
+        } else {
+            in.d[0] = load_word(data + 16 * lane, 8, false);
+            in.d[1] = load_word(data + 16 * lane + 8, 8, false);
+        }
+    } else if (F == 64) {
+        in.d[0] = load_word(data + 8 * lane, 8, words_vec);
+    } else if (lane < data_bytes / 8) {
+        in.d[0] = load_word(data + 8 * lane, 8, words_vec);
+    }
+    if (lane < SCALE_BYTES / 8) in.sword = load_word(scales + 8 * lane, 8, words_vec);
+}
+
+template <int KIND, int E, bool WRITE>
+__device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g, int block_size, i64 limit, i64 u,
+                                         bool rows_vec, bool words_vec, UnitIn<E>& in) {
     constexpr int P = GROUP / E;                                  // lanes a group
     constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
     constexpr int SCALE_BYTES = (32 / P) * SF / 8;                // a head's scale bytes
@@ -750,17 +829,16 @@ __device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g,
     const int data_bytes = 4 * F;                                 // a head's: 32 lanes x F bits
     const int lane = (int)lane_id();
     const int token = (int)(u / S.heads), h = (int)(u - (i64)token * S.heads);
-    const i64 slot = slots[token];
+    const i64 slot = in.slot;
     const bool valid = slot >= 0 && slot < limit;  // uniform over the warp: one head of one token
     const i64 e = (i64)token * S.row_stride + (i64)h * S.head_dim + E * lane;
     SlotRows at = {nullptr, nullptr};
     if (valid) at = slot_rows(S, g, block_size, slot);
     u8* data = valid ? at.data + (i64)h * data_bytes : nullptr;
     u8* scales = valid ? at.scales + (i64)h * SCALE_BYTES : nullptr;
-    float x[E];
+    float (&x)[E] = in.x;
     if (WRITE) {
         if (!valid) return 0;
-        load_elems<E>(S.rows, S.bf16, e, rows_vec, E, x);
         u32 bad = 0;
 #pragma unroll
         for (int j = 0; j < E; j++) bad += is_nonfinite(x[j]);
@@ -833,24 +911,9 @@ __device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g,
         return bad;
     }
     if (valid) {
-        u64 d[2] = {0, 0};
-        if (F == 128) {
-            if (words_vec) {
-                const uint4 v = *(const uint4*)(data + 16 * lane);
-                d[0] = (u64)v.x | ((u64)v.y << 32);
-                d[1] = (u64)v.z | ((u64)v.w << 32);
-            } else {
-                d[0] = load_word(data + 16 * lane, 8, false);
-                d[1] = load_word(data + 16 * lane + 8, 8, false);
-            }
-        } else if (F == 64) {
-            d[0] = load_word(data + 8 * lane, 8, words_vec);
-        } else {
-            const u64 word = lane < data_bytes / 8 ? load_word(data + 8 * lane, 8, words_vec) : 0;
-            d[0] = scatter_field<32>(word, F, lane, data_bytes / 8);
-        }
-        const u64 sword = lane < SCALE_BYTES / 8 ? load_word(scales + 8 * lane, 8, words_vec) : 0;
-        const u32 sb = (u32)scatter_field<32>(sword, SF, lane / P, SCALE_BYTES / 8);
+        u64 d[2] = {in.d[0], in.d[1]};
+        if (F < 64) d[0] = scatter_field<32>(in.d[0], F, lane, data_bytes / 8);
+        const u32 sb = (u32)scatter_field<32>(in.sword, SF, lane / P, SCALE_BYTES / 8);
         if (KIND == FMT_TURBO8) {
             const float s = bf16_decode(sb);
 #pragma unroll
@@ -908,24 +971,60 @@ __device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
     return bad;
 }
 
-template <int FMT, bool WRITE>
+// BATCH: units a warp of the group / head paths takes at once (its units l, l + stride, ...):
+// all their loads are issued before the first is computed, so a lane has the batch's bytes
+// in flight; then one unit at a time, the batch shifted down after each (constant indices:
+// registers). The every-format kernels take 1; the one-path kernels more.
+template <int FMT, bool WRITE, int GROUP_BATCH>
 __device__ __noinline__ u32 group_loop(PKV_SIDE_PARAMS) {
     const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
     const SideFlags f = side_flags(S, block_size);
     const bool sets = f.words_vec && ((S.heads * S.head_dim) / GROUP) % 8 == 0;
     u32 bad = 0;
-    for (i64 l = l0; l < count; l += stride)
-        bad += group_unit<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l, f.rows_vec, sets);
+    for (i64 l = l0; l < count; l += GROUP_BATCH * stride) {  // the batch's units: l, l + stride, ...
+        UnitIn<GROUP> in[GROUP_BATCH];
+#pragma unroll
+        for (int b = 0; b < GROUP_BATCH; b++)
+            if (l + b * stride < count)
+                group_load<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l + b * stride, f.rows_vec, sets, in[b]);
+        if constexpr (GROUP_BATCH == 1) {
+            const int b = 0;
+            bad += group_unit<FMT, WRITE>(S, f.g, tokens, block_size, limit, l + b * stride, f.rows_vec, sets, in[0]);
+        } else {
+#pragma unroll 1
+            for (int b = 0; b < GROUP_BATCH && l + b * stride < count; b++) {
+                bad += group_unit<FMT, WRITE>(S, f.g, tokens, block_size, limit, l + b * stride, f.rows_vec, sets, in[0]);
+#pragma unroll
+                for (int c = 0; c + 1 < GROUP_BATCH; c++) in[c] = in[c + 1];
+            }
+        }
+    }
     return bad;
 }
 
-template <int FMT, int E, bool WRITE>
+template <int FMT, int E, bool WRITE, int B>
 __device__ __noinline__ u32 head_loop(PKV_SIDE_PARAMS) {
     const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
     const SideFlags f = side_flags(S, block_size);
     u32 bad = 0;
-    for (i64 l = l0; l < count; l += stride)
-        bad += head_unit<FMT, E, WRITE>(S, f.g, slots, block_size, limit, l, f.rows_vec, f.words_vec);
+    for (i64 l = l0; l < count; l += B * stride) {  // the batch's units: l, l + stride, ...
+        UnitIn<E> in[B];
+#pragma unroll
+        for (int b = 0; b < B; b++)
+            if (l + b * stride < count)
+                head_load<FMT, E, WRITE>(S, f.g, slots, block_size, limit, l + b * stride, f.rows_vec, f.words_vec, in[b]);
+        if constexpr (B == 1) {
+            const int b = 0;
+            bad += head_unit<FMT, E, WRITE>(S, f.g, block_size, limit, l + b * stride, f.rows_vec, f.words_vec, in[0]);
+        } else {
+#pragma unroll 1
+            for (int b = 0; b < B && l + b * stride < count; b++) {
+                bad += head_unit<FMT, E, WRITE>(S, f.g, block_size, limit, l + b * stride, f.rows_vec, f.words_vec, in[0]);
+#pragma unroll
+                for (int c = 0; c + 1 < B; c++) in[c] = in[c + 1];
+            }
+        }
+    }
     return bad;
 }
 
@@ -934,14 +1033,20 @@ __device__ __noinline__ u32 chunk_loop(PKV_SIDE_PARAMS) { return chunk_loop_body
 
 // The side's path: bf16/fp8 chunks, groups, or rotated heads of 128, 256 or 512; turbo4,
 // turbo3 and turbo2 share their paths (kind FMT_TURBO4, the codebook chosen at run time).
-template <int FMT, bool WRITE>
+#define PATH_ANY 0       // as the side's format and geometry say
+#define PATH_GROUPS 1    // a group a lane (nvfp4; turbo formats unrotated)
+#define PATH_HEADS128 2  // rotated turbo heads of 128
+
+template <int FMT, bool WRITE, int PATH = PATH_ANY, int BATCH = 1>
 __device__ __forceinline__ u32 side_loop(PKV_SIDE_PARAMS) {
     constexpr int KIND = FMT == FMT_TURBO3 || FMT == FMT_TURBO2 ? FMT_TURBO4 : FMT;
     if (FMT == FMT_BF16 || FMT == FMT_FP8) return chunk_loop<FMT, WRITE>(PKV_SIDE_ARGS);
-    if (first < 0 || FMT == FMT_NVFP4) return group_loop<KIND, WRITE>(PKV_SIDE_ARGS);
-    if (head_dim == 128) return head_loop<KIND, 4, WRITE>(PKV_SIDE_ARGS);
-    if (head_dim == 256) return head_loop<KIND, 8, WRITE>(PKV_SIDE_ARGS);
-    return head_loop<KIND, 16, WRITE>(PKV_SIDE_ARGS);
+    if (PATH == PATH_GROUPS || (PATH == PATH_ANY && (first < 0 || FMT == FMT_NVFP4)))
+        return group_loop<KIND, WRITE, BATCH>(PKV_SIDE_ARGS);
+    if (PATH == PATH_HEADS128 || head_dim == 128) return head_loop<KIND, 4, WRITE, BATCH>(PKV_SIDE_ARGS);
+    if (PATH != PATH_ANY) return 0;
+    if (head_dim == 256) return head_loop<KIND, 8, WRITE, 1>(PKV_SIDE_ARGS);
+    return head_loop<KIND, 16, WRITE, 1>(PKV_SIDE_ARGS);
 }
 
 // This warp's share of one side whose units start at global unit `start`; advances `start`.
@@ -949,8 +1054,9 @@ __device__ __forceinline__ u32 side_loop(PKV_SIDE_PARAMS) {
 // with its own small register count; Python launches it when every side is bf16 or fp8).
 #define FAMILY_ALL 0
 #define FAMILY_ROWS16 1
+#define FAMILY_ONE 2  // sides of one kind on one path only (the template's ONE, PATH, BATCH), or skipped ones
 
-template <bool WRITE, int FAMILY>
+template <bool WRITE, int FAMILY, int ONE = FMT_NVFP4, int PATH = PATH_ANY, int BATCH = 1>
 __device__ u32 kv_side(const KvSide& S, const i64* slots, int tokens, int block_size, i64 limit, i64& start) {
     const i64 count = side_units(S, tokens);
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -968,6 +1074,14 @@ __device__ u32 kv_side(const KvSide& S, const i64* slots, int tokens, int block_
         if (S.fmt == FMT_FP8) return PKV_ROWS16(FMT_FP8);
         return 0;
 #undef PKV_ROWS16
+    }
+    if (FAMILY == FAMILY_ONE) {  // sides of kind ONE (turbo3, turbo2: FMT_TURBO4) on path PATH only
+        const int kind = S.fmt == FMT_TURBO3 || S.fmt == FMT_TURBO2 ? FMT_TURBO4 : S.fmt;
+        if (kind != ONE || (PATH == PATH_HEADS128 && (S.first < 0 || S.head_dim != 128)) ||
+            (PATH == PATH_GROUPS && ONE != FMT_NVFP4 && S.first >= 0))
+            return 0;  // not this kernel's (the driver does not launch it for such sides)
+        return side_loop<ONE, WRITE, PATH, BATCH>(S.fmt, S.pool, S.block_stride, S.rows, S.row_stride, S.bf16, S.scale,
+            S.first, S.last, S.heads, S.head_dim, S.inv_sqrt_n, slots, tokens, block_size, limit, l0, count, warps);
     }
     switch (S.fmt) {  // uniform: once per side, outside the unit loop
     case FMT_BF16: return PKV_SIDE_LOOP(FMT_BF16);
@@ -1004,21 +1118,21 @@ struct KvLayer {
 
 // Every side of a launch: the `num_layers` layers of the device table `layers`, or (when
 // num_layers is 0) the one layer given inline as K and V.
-template <bool WRITE, int FAMILY>
+template <bool WRITE, int FAMILY, int ONE = FMT_NVFP4, int PATH = PATH_ANY, int BATCH = 1>
 __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int num_layers, const i64* slots,
                                          int num_tokens, int block_size, i64 limit, const KvSide& k, const KvSide& v) {
     kv_load_tables();
     i64 start = 0;
     if (num_layers == 0) {
-        u32 bad = kv_side<WRITE, FAMILY>(k, slots, num_tokens, block_size, limit, start);
-        return bad + kv_side<WRITE, FAMILY>(v, slots, num_tokens, block_size, limit, start);
+        u32 bad = kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(k, slots, num_tokens, block_size, limit, start);
+        return bad + kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(v, slots, num_tokens, block_size, limit, start);
     }
     u32 bad = 0;
     for (int l = 0; l < num_layers; l++) {
         const KvLayer& L = layers[l];
         for (int s = 0; s < 2; s++) {
             const KvLayerSide& T = L.side[s];
-            bad += kv_side<WRITE, FAMILY>(make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16,
+            bad += kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16,
                                                     T.scale, T.first, T.last, L.heads, L.head_dim, L.inv_sqrt_n),
                                           slots, num_tokens, block_size, limit, start);
         }
@@ -1033,8 +1147,8 @@ __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int
     i64 v_block_stride, u64 v_##ROWS, i64 v_row_stride, int v_bf16, float v_scale, int v_first, int v_last,        \
     const KvLayer *__restrict__ layers, int num_layers
 
-#define PKV_KV_LAUNCH(WRITE, FAMILY, ROWS)                                                                      \
-    kv_launch<WRITE, FAMILY>(layers, num_layers, slots, num_tokens, block_size, limit,                          \
+#define PKV_KV_LAUNCH(WRITE, FAMILY, ROWS, ...)                                                                 \
+    kv_launch<WRITE, FAMILY, ##__VA_ARGS__>(layers, num_layers, slots, num_tokens, block_size, limit,                          \
                              make_side(k_fmt, k_pool, k_block_stride, k_##ROWS, k_row_stride, k_bf16, k_scale,   \
                                        k_first, k_last, heads, head_dim, inv_sqrt_n),                           \
                              make_side(v_fmt, v_pool, v_block_stride, v_##ROWS, v_row_stride, v_bf16, v_scale,   \
@@ -1064,6 +1178,39 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS) pagedkv_kv_read(PKV_KV_
 // pagedkv_kv_read for bf16 and fp8 sides only (or skipped ones).
 extern "C" __global__ void __launch_bounds__(KV_THREADS, KV_READ16_CTAS) pagedkv_kv_read16(PKV_KV_PARAMS(out)) {
     PKV_KV_LAUNCH(false, FAMILY_ROWS16, out);
+}
+
+// pagedkv_kv_write / _read for the sides of one kind on one path only (or skipped ones), each
+// with only that path's registers and a batch of units a warp loads at once (BATCH of
+// group_loop / head_loop): _nvfp4: nvfp4 sides; _turbo_h128: rotated turbo4, turbo3 and
+// turbo2 sides of head_dim 128; _turbo8_h128: rotated turbo8 sides of head_dim 128. Each
+// batch is the most units whose registers fit the CTAs an SM asked for without spills
+// (sm_90), so a lane has batch x (slot + row) bytes in flight.
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_write_nvfp4(PKV_KV_PARAMS(src)) {
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_NVFP4, PATH_GROUPS, 3);
+    if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 4) pagedkv_kv_read_nvfp4(PKV_KV_PARAMS(out)) {
+    PKV_KV_LAUNCH(false, FAMILY_ONE, out, FMT_NVFP4, PATH_GROUPS, 4);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_write_turbo_h128(PKV_KV_PARAMS(src)) {
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_TURBO4, PATH_HEADS128, 12);
+    if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_read_turbo_h128(PKV_KV_PARAMS(out)) {
+    PKV_KV_LAUNCH(false, FAMILY_ONE, out, FMT_TURBO4, PATH_HEADS128, 10);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_write_turbo8_h128(PKV_KV_PARAMS(src)) {
+    const u32 bad = PKV_KV_LAUNCH(true, FAMILY_ONE, src, FMT_TURBO8, PATH_HEADS128, 12);
+    if (bad && nonfinite) atomicAdd(nonfinite, (unsigned long long)bad);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 3) pagedkv_kv_read_turbo8_h128(PKV_KV_PARAMS(out)) {
+    PKV_KV_LAUNCH(false, FAMILY_ONE, out, FMT_TURBO8, PATH_HEADS128, 8);
 }
 
 // Debug check of a write's slots (launched before it when METRALE_KV_TRACE=1): a slot that

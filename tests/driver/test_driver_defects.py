@@ -140,7 +140,7 @@ def test_grids_come_from_the_reported_occupancy(stub_env):
         STUB.stub_set_device(5, 9, 0)
         STUB.stub_set_occupancy(3)
         with CudaBackend() as gpu:
-            assert calls("cuOccupancyMaxActiveBlocksPerMultiprocessor") == 12, "one query per kernel"
+            assert calls("cuOccupancyMaxActiveBlocksPerMultiprocessor") == 18, "one query per kernel"
             g = gpu.alloc(64 * 512)
             regions = gpu.create_block_regions([(int(g), 512, 512)])
             gpu.fill_blocks(regions, list(range(40)), 0, 0)

@@ -3,7 +3,8 @@ check over the stub: the generic ones of kernel_harness.mutations (a CTA or thre
 does nothing, a missing __syncthreads) and codec ones (E4M3 rounding ties down instead of
 to even, a butterfly with its difference reversed within a lane and across lanes, BF16
 rounding truncating, -1 slots not skipped, a set's scale bytes gathered from the wrong
-lanes, the sum of squares of a group skipping a lane's part) and read-only ones (the nvfp4
+lanes, the sum of squares of a group skipping a lane's part, the one-path kernels' batches
+shifted wrong) and read-only ones (the nvfp4
 sign flipped in the decode, -1 rows -0.0). Only the code the harness executes is mutated; NVRTC compiles the real source.
 """
 
@@ -36,8 +37,16 @@ CODEC_BUGS = {
                                "const u64 sword = gather_word<SF == 8 ? 9 : 5, 1, 8>(sb, SF, sub ^ 1, 8);"),
     "ssq_chain_skips_a_lane": ("                x_ssq = __shfl_sync(FULL_MASK, x_ssq, group_lane + k);",
                                "                x_ssq = __shfl_sync(FULL_MASK, x_ssq, group_lane + (k ? k - 1 : 0));"),
+    # the one-path kernels' batches: the head batch's last unit computed twice (seen only when
+    # a batch runs full), the group batch's first unit computed again
+    "head_batch_last_not_shifted": ("for (int c = 0; c + 1 < B; c++) in[c] = in[c + 1];",
+                                    "for (int c = 0; c + 1 < B; c++) if (c + 2 < B) in[c] = in[c + 1];"),
+    "group_batch_not_shifted": ("for (int c = 0; c + 1 < GROUP_BATCH; c++) in[c] = in[c + 1];",
+                                "for (int c = 0; c + 1 < GROUP_BATCH; c++) in[c] = in[c + (c > 0)];"),
 }
 KINDS = ["cta_does_nothing", "thread0_does_nothing", "missing_syncthreads", *CODEC_BUGS]
+CASE_OF = {"head_batch_last_not_shifted": "batched_hd128_16heads_bf16", "group_batch_not_shifted": "batched_hd128_16heads_bf16"}
+"""Bugs that need another case than CASE (full batches: 16 heads)."""
 
 
 def _planted(text: str, kind: str) -> str:
@@ -62,6 +71,6 @@ def test_planted_kv_bug_fails_the_kv_check(stub_env, tmp_path, kind):
     # order thread 0's first reads may come after the others' copies, so that bug needs the
     # descending order to show
     orders = ("descending",) if kind == "missing_syncthreads" else ("ascending",)
-    proc = run_on_stub_unchecked(env, kv_case_body(CASE, orders=orders), timeout=300)
+    proc = run_on_stub_unchecked(env, kv_case_body(CASE_OF.get(kind, CASE), orders=orders), timeout=300)
     assert proc.returncode != 0 and "CHECK kv ok" not in proc.stdout, f"{kind} went unnoticed:\n{proc.stdout}"
     assert "AssertionError" in proc.stderr or "CudaError" in proc.stderr, proc.stderr[-2000:]

@@ -19,20 +19,20 @@ from kernel_harness.stub import with_libraries
 # one worker runs the whole module: its module-scoped fixture is built once (pyproject: --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("traffic_floors")
 
-_ALL = ("the every-format row kernel takes 168 registers on sm_90 (its rotated-head paths), so 3 CTAs of 128 "
-        "threads an SM hold {} KiB in flight, < 32 KiB")
 MISSING = {
     # (workload, kernel): why it misses (kept in step with the model's table)
-    **{(f"kv_{op}/{f}", f"pagedkv_kv_{'read' if op == 'read' else 'write'}"): _ALL.format(flight)
-       for f in ("nvfp4", "turbo4", "turbo3", "turbo2", "turbo8")
-       for op, flight in (("write", "6-15"), ("read", "4-12"), ("write_layers", "8-19"))},
 }
+
+# the row kernel of each format's workloads (8 heads of 128, rotated turbo sides): bf16/fp8
+# the `16` kernels, nvfp4 and the rotated turbo formats of head_dim 128 their one-path ones
+ROW_KERNEL = {"bf16": "16", "fp8": "16", "nvfp4": "_nvfp4", "turbo4": "_turbo_h128", "turbo3": "_turbo_h128",
+              "turbo2": "_turbo_h128", "turbo8": "_turbo8_h128"}
 
 EXPECTED = [
     ("fill", "pagedkv_fill_blocks"), ("copy_blocks", "pagedkv_copy_blocks"), ("copy_batch", "pagedkv_copy_batch"),
     ("reduce_bf16", "pagedkv_reduce_bf16_partial"),
     *[(f"kv_checksum/{f}", "pagedkv_kv_checksum_partial") for f in traffic.FORMATS if f != "bf16"],
-    *[(f"kv_{op}/{f}", f"pagedkv_kv_{'write' if op != 'read' else 'read'}{'16' if f in ('bf16', 'fp8') else ''}")
+    *[(f"kv_{op}/{f}", f"pagedkv_kv_{'write' if op != 'read' else 'read'}{ROW_KERNEL[f]}")
       for f in traffic.FORMATS for op in ("write", "read", "write_layers")],
 ]
 

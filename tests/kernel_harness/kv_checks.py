@@ -22,6 +22,10 @@ CASES = {
     # name: (layer formats, (heads, head_dim) per layer, block_size, bf16 input, row padding)
     "all_formats_hd128_bs16_f32": ("ALL", [(2, 128)], 16, False, 0),
     "all_formats_hd64_bs1_bf16_strided": ("ALL", [(2, 64)], 1, True, 24),
+    # 16 heads: a warp of the 2-CTA grid gets 14 (token, head) units a side, so the one-path
+    # kernels' batches (12 a write, 10 a read) run full and shift; nvfp4's 3 and 4 groups too
+    "batched_hd128_16heads_bf16": (["nvfp4", "turbo4", "turbo3", "turbo2", "turbo8", "turbo4k_turbo3v"], [(16, 128)],
+                                   16, True, 0),
     "turbo_hd256_hd512_bs32": (
         ["turbo4", "turbo3", "turbo2", "turbo8", "turbo4k_turbo3v", "fp8k_turbo2v", "nvfp4", "bf16k_turbo4v"],
         [(1, 256), (1, 512), (2, 256), (1, 512), (1, 512), (1, 256), (1, 512), (1, 256)],
@@ -128,7 +132,17 @@ for order in ORDERS:
                 KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), vp, vs, BF16_IN, V_SCALE),
                 stream)
             rec = launch(-1)[0]
-            want = b"pagedkv_kv_write16" if {{k_fmt.value, v_fmt.value}} <= {{"bf16", "fp8"}} else b"pagedkv_kv_write"
+            pair = {{k_fmt.value, v_fmt.value}}
+            if pair <= {{"bf16", "fp8"}}:
+                want = b"pagedkv_kv_write16"
+            elif pair == {{"nvfp4"}}:
+                want = b"pagedkv_kv_write_nvfp4"
+            elif head_dim == 128 and pair <= {{"turbo4", "turbo3", "turbo2"}}:
+                want = b"pagedkv_kv_write_turbo_h128"
+            elif head_dim == 128 and pair == {{"turbo8"}}:
+                want = b"pagedkv_kv_write_turbo8_h128"
+            else:
+                want = b"pagedkv_kv_write"
             assert rec.name == want and 1 <= rec.grid[0] <= 2, (rec.name, rec.grid[0])
         gpu.synchronize(stream)
         got_pools = pool_bytes(gpu, pools)

@@ -115,7 +115,9 @@ def test_cuda_device_path_is_one_launch_and_byte_exact(stub_env):
                                   out_k=outs[0], out_v=outs[1], stream=stream)
                 assert {n: calls(n) for n in NAMES} == before, {n: calls(n) - before[n] for n in NAMES}
                 assert calls("cuLaunchKernel") == launches + 2
-                assert [launch(-2)[0].name, launch(-1)[0].name] == [b"pagedkv_kv_write", b"pagedkv_kv_read"]
+                # layer 0 (rotated turbo4/turbo3 of head_dim 128): the one-path kernels; layer 1 (fp8 K): the every-format ones
+                suffix = b"_turbo_h128" if layer == 0 else b""
+                assert [launch(-2)[0].name, launch(-1)[0].name] == [b"pagedkv_kv_write" + suffix, b"pagedkv_kv_read" + suffix]
                 want_cache.write_tokens(layer, slots, k, v, host, 0, 0.5, 2.0)
                 gpu.synchronize(stream)
                 for side in ("k", "v"):

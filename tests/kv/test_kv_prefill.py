@@ -153,7 +153,8 @@ for order in ("ascending", "descending"):
             plan.write(slots_dev, stream)
             assert {{n: calls(n) for n in NAMES}} == before and calls("cuLaunchKernel") == launches + 1
             rec = launch(-1)[0]
-            assert rec.name in (b"pagedkv_kv_write", b"pagedkv_kv_write16"), rec.name
+            assert rec.name in (b"pagedkv_kv_write", b"pagedkv_kv_write16", b"pagedkv_kv_write_nvfp4",
+                                b"pagedkv_kv_write_turbo_h128", b"pagedkv_kv_write_turbo8_h128"), rec.name
             compare(f"write {{round_}}")
         # captured once, replayed with new rows and slots
         with gpu.capture(stream) as graph:
