@@ -10,20 +10,36 @@ peer's, which must have the same groups in the same order, all or nothing.
 `send(peer, {g: src}, {g: dst}, notify)` checks every group's pairs (KvTransfer's checks)
 before any group posts, then posts one NIXL request per group named in it. The peer's
 `notifications()` gives `(peer, notify)` once every group of that send has landed: each
-request carries a frame (`FRAME_MAGIC`, the send's number, its group count, then `notify`)
-and the receiver counts the frames of each send. There is no pull mode (leases) here.
+request carries a frame (`FRAME_MAGIC`, the sender's instance nonce, the send's number, its
+group count, then `notify`) and the receiver collects the groups seen per (peer, nonce,
+number): a repeated frame counts once, a restarted sender (a new nonce) never completes an
+old send, and a peer's partial sends are dropped at `disconnect`. There is no pull mode
+(leases) and no grants here; `allow`, `token` and `max_peers` are KvTransfer's, applied to
+every group's agent (an allowed peer name covers its `#g<g>` agents).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any, Iterable, Mapping
 
 from ..cache.hybrid_cache import HybridKvCache
+from ..core.log import get_logger
 from ..errors import KvCacheError
-from .transfer import KvTransfer, TransferHandle
+from . import transfer_metadata
+from .transfer import DEFAULT_MAX_PEERS, KvTransfer, TransferHandle
 from .transfer_errors import TransferTimeout, UnknownPeer
+from .transfer_metadata import BadPeerMetadata
+
+_log = get_logger("transfer")
+
+MAX_GROUPS = 64
+"""A hybrid metadata blob bundles at most this many groups' blobs."""
+
+POSTED_WAIT_S = 30.0
+"""How long a failed `send` waits for the groups it had already posted before it raises."""
 
 METADATA_MAGIC = b"pagedkv-hybrid-kvtransfer\x00"
 """The first bytes of every `HybridKvTransfer.metadata()` blob."""
@@ -64,7 +80,8 @@ class HybridKvTransfer:
     """A KvTransfer per group of `cache` (a `HybridKvCache`) on `gpu`, agents named after
     `name`; see the module docstring. All or nothing: a failed agent closes those made."""
 
-    def __init__(self, cache: HybridKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",)):
+    def __init__(self, cache: HybridKvCache, gpu: Any, name: str, backends: Iterable[str] = ("UCX",), *,
+                 allow: Iterable[str] | None = None, token: bytes | None = None, max_peers: int = DEFAULT_MAX_PEERS):
         if not isinstance(cache, HybridKvCache):
             raise TypeError(f"cache must be a HybridKvCache (a config with layer_groups), got {type(cache).__name__}; "
                             f"use KvTransfer for a one-group cache")
@@ -76,11 +93,17 @@ class HybridKvTransfer:
         self._parts: list[KvTransfer] = []
         self._peers: dict[str, None] = {}
         self._sends = 0
-        self._arrived: dict[tuple[str, int], list] = {}  # (peer, send number) -> [frames seen, of, notify]
+        self._nonce = os.urandom(8)  # tells this instance's sends from an earlier one's of the same name
+        self._arrived: dict[tuple[str, bytes, int], list] = {}  # (peer, nonce, number) -> [groups seen, of, notify]
+        if allow is not None and (isinstance(allow, (str, bytes)) or not hasattr(allow, "__iter__")):
+            raise TypeError(f"allow must be a collection of peer names, got {allow!r:.60}")
+        allowed = None if allow is None else list(allow)
         try:
             backends = list(backends)
             for g in range(cache.num_groups()):
-                self._parts.append(KvTransfer(cache.group(g), gpu, _agent_name(name, g), backends))
+                part_allow = None if allowed is None else [_agent_name(a, g) if isinstance(a, str) else a for a in allowed]
+                self._parts.append(KvTransfer(cache.group(g), gpu, _agent_name(name, g), backends,
+                                              allow=part_allow, token=token, max_peers=max_peers))
         except BaseException:
             self._close_parts()
             raise
@@ -106,19 +129,22 @@ class HybridKvTransfer:
             raise ValueError(f"peer {name!r} is already connected (disconnect it first)")
         if len(blobs) != len(self._parts):
             raise KvCacheError(f"peer {name!r} has {len(blobs)} groups, this cache {len(self._parts)}")
-        done: list[KvTransfer] = []
+        done: list[tuple[KvTransfer, str]] = []
         try:
             for g, (part, blob) in enumerate(zip(self._parts, blobs)):
                 try:
                     got = part.connect(blob)
                 except Exception as err:
                     raise type(err)(f"group {g}: {err}") from err
-                done.append(part)
+                done.append((part, got))  # disconnected by the name it connected, whatever that is
                 if got != _agent_name(name, g):
                     raise ValueError(f"peer {name!r} group {g} metadata names agent {got!r}")
         except BaseException:
-            for g, part in enumerate(done):
-                part.disconnect(_agent_name(name, g))
+            for part, got in done:
+                try:
+                    part.disconnect(got)
+                except Exception as err:  # noqa: BLE001 - the connect's own error is the one raised
+                    _log.warning("hybrid_transfer_rollback_failed", peer=got, error=str(err))
             raise
         self._peers[name] = None
         return name
@@ -129,18 +155,35 @@ class HybridKvTransfer:
         blob = bytes(blob)
         at = len(METADATA_MAGIC)
         if not blob.startswith(METADATA_MAGIC) or len(blob) < at + 8:
-            raise ValueError(f"peer_metadata is not HybridKvTransfer metadata (starts {blob[:24]!r})")
+            raise BadPeerMetadata(f"peer_metadata is not HybridKvTransfer metadata (starts {blob[:24]!r})")
         size = int.from_bytes(blob[at : at + 8], "little")
+        if size > transfer_metadata.MAX_JSON_BYTES or at + 8 + size > len(blob):
+            raise BadPeerMetadata(f"peer_metadata declares a {size}-byte header, over the bound of "
+                                  f"{transfer_metadata.MAX_JSON_BYTES} or past the blob's {len(blob)} bytes")
+        text = blob[at + 8 : at + 8 + size]
+        if transfer_metadata.json_depth(text) > 2:
+            raise BadPeerMetadata("peer_metadata's header nests deeper than {name, sizes: [...]}")
         try:
-            head = json.loads(blob[at + 8 : at + 8 + size])
-            name, sizes = str(head["name"]), [int(n) for n in head["sizes"]]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"peer_metadata has a broken header: {err}") from None
+            head = json.loads(text)
+        except ValueError as err:
+            raise BadPeerMetadata(f"peer_metadata has a broken header: {err}") from None
+        if type(head) is not dict:
+            raise BadPeerMetadata(f"peer_metadata's header must be an object, got {type(head).__name__}")
+        name = head.get("name")
+        if type(name) is not str or not name or "\x00" in name or len(name) > transfer_metadata.MAX_NAME:
+            raise BadPeerMetadata(f"peer_metadata field name must be a non-empty str of at most "
+                                  f"{transfer_metadata.MAX_NAME} characters without NUL, got {name!r:.80}")
+        sizes = head.get("sizes")
+        if (type(sizes) is not list or not 1 <= len(sizes) <= MAX_GROUPS
+                or any(type(n) is not int or n < 0 for n in sizes)):
+            raise BadPeerMetadata(f"peer_metadata field sizes must be a list of 1 to {MAX_GROUPS} ints >= 0, "
+                                  f"got {sizes!r:.80}")
         if name == self.name:
             raise ValueError(f"peer metadata names this engine itself ({name!r})")
         at += 8 + size
         if sum(sizes) != len(blob) - at:
-            raise ValueError(f"peer_metadata of {name!r} is truncated")
+            raise BadPeerMetadata(f"peer_metadata of {name!r} is truncated: its groups need {sum(sizes)} bytes, "
+                                  f"{len(blob) - at} follow")
         blobs = []
         for n in sizes:
             blobs.append(blob[at : at + n])
@@ -157,6 +200,8 @@ class HybridKvTransfer:
         for g, part in enumerate(self._parts):
             part.disconnect(_agent_name(peer, g))
         del self._peers[peer]
+        for key in [k for k in self._arrived if k[0] == peer]:  # its partial sends never complete now
+            del self._arrived[key]
 
     def _peer(self, peer: object) -> str:
         if not isinstance(peer, str) or peer not in self._peers:
@@ -190,14 +235,19 @@ class HybridKvTransfer:
                 raise type(err)(f"group {g}: {err}") from err
         number = self._sends
         self._sends += 1
-        frame = FRAME_MAGIC + number.to_bytes(8, "little") + len(groups).to_bytes(4, "little") + bytes(notify)
+        frame = (FRAME_MAGIC + self._nonce + number.to_bytes(8, "little") + len(groups).to_bytes(4, "little")
+                 + bytes(notify))
         handles: dict[int, TransferHandle] = {}
         for g in groups:  # a failure after the first post is a TransferError: the others are waited on first
             try:
                 handles[g] = self._parts[g].send(_agent_name(peer, g), src[g], dst[g], frame)
             except BaseException:
-                for posted in handles.values():
-                    posted.wait(None)
+                for posted_g, posted in handles.items():  # bounded: a dead peer must not hide the error
+                    try:
+                        posted.wait(POSTED_WAIT_S)
+                    except Exception as other:  # noqa: BLE001 - the post's own error is the one raised
+                        _log.warning("hybrid_transfer_posted_group_failed", peer=peer, group=posted_g,
+                                     error=f"{type(other).__name__}: {other}")
                 raise
         return HybridTransferHandle(handles)
 
@@ -205,18 +255,20 @@ class HybridKvTransfer:
         """Every (peer name, notify) whose send landed in all its groups since the last
         call; messages that are not a hybrid send's frame come through as (agent, message)."""
         out = []
-        for part in self._parts:
+        for g, part in enumerate(self._parts):
             for agent, message in part.notifications():
-                if not message.startswith(FRAME_MAGIC) or "#g" not in agent:
-                    out.append((agent, message))
-                    continue
-                peer = agent.rsplit("#g", 1)[0]
                 body = message[len(FRAME_MAGIC):]
-                number, count = int.from_bytes(body[:8], "little"), int.from_bytes(body[8:12], "little")
-                seen = self._arrived.setdefault((peer, number), [0, count, body[12:]])
-                seen[0] += 1
-                if seen[0] == seen[1]:
-                    del self._arrived[(peer, number)]
+                count = int.from_bytes(body[16:20], "little") if len(body) >= 20 else 0
+                if (not message.startswith(FRAME_MAGIC) or not agent.endswith(f"#g{g}")
+                        or not 1 <= count <= len(self._parts)):
+                    out.append((agent, message))  # not a hybrid send's frame (or not one for this group)
+                    continue
+                peer = agent[: -len(f"#g{g}")]
+                key = (peer, body[:8], int.from_bytes(body[8:16], "little"))
+                seen = self._arrived.setdefault(key, [set(), count, body[20:]])
+                seen[0].add(g)  # a repeated frame of a group counts once
+                if len(seen[0]) == seen[1]:
+                    del self._arrived[key]
                     out.append((peer, seen[2]))
         return out
 

@@ -70,7 +70,7 @@ def encode(info: dict, nixl: bytes, token: bytes | None) -> bytes:
     return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + nixl
 
 
-def _depth(text: bytes) -> int:
+def json_depth(text: bytes) -> int:
     """The deepest nesting of `[`/`{` in JSON `text`, outside strings (vectorised)."""
     raw = np.frombuffer(text, dtype=np.uint8)
     if not raw.size:
@@ -191,7 +191,7 @@ def parse(blob: object) -> tuple[dict, bytes]:
         raise BadPeerMetadata(f"peer_metadata is truncated: its layout description needs {size} bytes, "
                               f"{view.nbytes - head - 8} follow the header")
     text = bytes(view[head + 8 : head + 8 + size])
-    depth = _depth(text)
+    depth = json_depth(text)
     if depth > MAX_DEPTH:
         raise BadPeerMetadata(f"peer_metadata nests {depth} levels deep, over the bound of {MAX_DEPTH}")
     try:
@@ -225,7 +225,9 @@ def parse(blob: object) -> tuple[dict, bytes]:
     if len(nixl) != declared:
         raise BadPeerMetadata(f"peer_metadata's NIXL part is {len(nixl)} bytes but {declared} were written "
                               f"({'truncated' if len(nixl) < declared else 'padded'}): nothing was loaded")
-    if type(info["nixl_digest"]) is not str or not hmac.compare_digest(info["nixl_digest"], digest(nixl)):
+    got_digest = info["nixl_digest"]
+    if (type(got_digest) is not str or not got_digest.isascii()  # compare_digest refuses non-ASCII str
+            or not hmac.compare_digest(got_digest, digest(nixl))):
         raise BadPeerMetadata("peer_metadata's NIXL part does not match its digest (altered in transit): nothing was loaded")
     if "token_tag" in info and type(info["token_tag"]) is not str:
         raise BadPeerMetadata(f"peer_metadata field token_tag must be a str, got {info['token_tag']!r:.40}")
@@ -237,4 +239,4 @@ def check_token(info: dict, token: bytes | None) -> bool:
     if token is None:
         return True
     got: Any = info.get("token_tag")
-    return type(got) is str and hmac.compare_digest(got, tag(token, info["name"], info["nixl_digest"]))
+    return type(got) is str and got.isascii() and hmac.compare_digest(got, tag(token, info["name"], info["nixl_digest"]))

@@ -134,3 +134,96 @@ def test_a_state_layout_that_contradicts_itself_is_named():
                                   "(16-byte aligned slots)"]
     assert layout_differences(layout, lying) == ["state row 0 nbytes: here 16, peer 8"]
     cache.release(gpu)
+
+
+def test_a_hostile_hybrid_header_is_a_bad_peer_metadata_naming_it():
+    import json
+
+    from pagedkv.tiers.hybrid_transfer import METADATA_MAGIC
+    from pagedkv.tiers.transfer_metadata import BadPeerMetadata
+
+    def blob(head, rest=b""):
+        text = head if isinstance(head, bytes) else json.dumps(head).encode()
+        return METADATA_MAGIC + len(text).to_bytes(8, "little") + text + rest
+
+    gpu, cache = make()
+    with HybridKvTransfer(cache, gpu, "me") as t:
+        cases = [
+            (blob(b"[" * (2 << 20)), "header, over the bound"),
+            (blob(b"[" * 2000 + b"]" * 2000), "nests deeper"),
+            (blob({"name": {"a": 1}, "sizes": [0, 0, 0]}), "field name must be a non-empty str"),
+            (blob({"name": "x", "sizes": [5, -5]}), "field sizes must be a list of 1 to 64 ints >= 0"),
+            (blob({"name": "x", "sizes": "3"}), "field sizes must be a list"),
+            (blob({"name": "x", "sizes": [4]}, b"ab"), "truncated: its groups need 4 bytes, 2 follow"),
+            (METADATA_MAGIC + (1 << 40).to_bytes(8, "little"), "header, over the bound"),
+            (b"something else", "is not HybridKvTransfer metadata"),
+        ]
+        for bad, message in cases:
+            with pytest.raises(BadPeerMetadata, match=message):
+                t.connect(bad)
+        assert t.peers() == [] and all(t.group(g).peers() == [] for g in range(3))
+    cache.release(gpu)
+
+
+def test_a_group_blob_of_another_agent_is_undone_by_its_own_name():
+    (gpu_a, a), (gpu_b, b), (gpu_c, c) = make(), make(), make()
+    with HybridKvTransfer(a, gpu_a, "a") as ta, HybridKvTransfer(b, gpu_b, "b") as tb, \
+            HybridKvTransfer(c, gpu_c, "c") as tc:
+        parts_b, parts_c = ta._parse(tb.metadata())[1], ta._parse(tc.metadata())[1]
+        mixed = [parts_b[0], parts_c[1], parts_b[2]]  # group 1 names agent c#g1
+        import json
+
+        from pagedkv.tiers.hybrid_transfer import METADATA_MAGIC
+
+        head = json.dumps({"name": "b", "sizes": [len(p) for p in mixed]}).encode()
+        with pytest.raises(ValueError, match="peer 'b' group 1 metadata names agent 'c#g1'"):
+            ta.connect(METADATA_MAGIC + len(head).to_bytes(8, "little") + head + b"".join(mixed))
+        assert [ta.group(g).peers() for g in range(3)] == [[], [], []]  # every part undone, c#g1 included
+        assert ta.connect(tb.metadata()) == "b"
+    for cache, gpu in ((a, gpu_a), (b, gpu_b), (c, gpu_c)):
+        cache.release(gpu)
+
+
+def test_frames_count_groups_once_and_an_earlier_instance_never_completes_a_send():
+    gpu_a, a = make()
+    gpu_b, b = make()
+    src, dst = held(a, {0: 1, 2: 1}), held(b, {0: 1, 2: 1})
+    with HybridKvTransfer(b, gpu_b, "d") as tb:
+        with HybridKvTransfer(a, gpu_a, "p") as old:
+            old.connect(tb.metadata())
+            tb.connect(old.metadata())
+            old.group(0).send("d#g0", src[0], dst[0], _frame(old, 0, 2, b"old")).wait(WAIT)  # 1 of 2 groups
+            old.group(0).send("d#g0", src[0], dst[0], _frame(old, 0, 2, b"old")).wait(WAIT)  # the same again
+            with pytest.raises(Exception, match="no complete notification"):
+                tb.wait_notifications(0.2)  # a repeated group is not a second group
+        tb.disconnect("p")
+        assert tb._arrived == {}  # the partial send went with the peer
+        with HybridKvTransfer(a, gpu_a, "p") as new:  # a restarted sender: numbers start at 0 again
+            new.connect(tb.metadata())
+            tb.connect(new.metadata())
+            new.send("d", {2: src[2]}, {2: dst[2]}, b"new").wait(WAIT)
+            assert tb.wait_notifications(WAIT) == [("p", b"new")]
+    a.release(gpu_a)
+    b.release(gpu_b)
+
+
+def _frame(t, number, count, notify):
+    from pagedkv.tiers.hybrid_transfer import FRAME_MAGIC
+
+    return FRAME_MAGIC + t._nonce + number.to_bytes(8, "little") + count.to_bytes(4, "little") + notify
+
+
+def test_allow_and_token_apply_to_every_group():
+    from pagedkv.tiers.transfer import PeerRefused
+
+    gpu_a, a = make()
+    gpu_b, b = make()
+    secret = b"0123456789abcdef-shared"
+    with HybridKvTransfer(a, gpu_a, "p", allow=["d"], token=secret) as ta, \
+            HybridKvTransfer(b, gpu_b, "d", token=secret) as tb, HybridKvTransfer(b, gpu_b, "x") as tx:
+        with pytest.raises(PeerRefused):
+            ta.connect(tx.metadata())  # not allowed (and no token)
+        assert ta.connect(tb.metadata()) == "d"
+        assert [ta.group(g).peers() for g in range(3)] == [["d#g0"], ["d#g1"], ["d#g2"]]
+    a.release(gpu_a)
+    b.release(gpu_b)

@@ -68,6 +68,7 @@ def test_a_good_blob_parses_and_round_trips():
     tagged, _ = tm.parse(blob_of(good_info(cache), token=TOKEN))
     assert tm.check_token(tagged, TOKEN) and not tm.check_token(tagged, b"another-token-of-16b")
     assert not tm.check_token(info, TOKEN) and tm.check_token(info, None)
+    assert not tm.check_token(dict(tagged, token_tag="\u00e9" * 64), TOKEN)  # refused, not a TypeError
 
 
 def edit(path, value):
@@ -107,6 +108,7 @@ EDITS = {
     "pool short": (edit(["pools", 0], [0, "K"]), r"field pools\[0\] must be \[layer, side, address, stride\]"),
     "pool address str": (edit(["pools", 2, 2], "0x10"), r"field pools\[2\].address must be an int"),
     "token tag int": (edit(["token_tag"], 1), "field token_tag must be a str"),
+    "digest not ascii": (edit(["nixl_digest"], "\u00e9" * 32), "does not match its digest"),
 }
 
 
