@@ -86,6 +86,31 @@ class StateGroup:
         """The labels of the holders recorded by `hold`."""
         return list(self._holders.values())
 
+    def check_releasable(self, gpu: GpuBackend) -> None:
+        """The checks the hybrid cache's `release` makes of this group first (KvCacheError,
+        nothing changed): `gpu` the pools' backend, no holder, no live DLPack export of a
+        state view. Nothing to check once the pools are released."""
+        if not self._pools.is_live():
+            return
+        self._pools.check_backend(gpu)
+        if self._holders:
+            raise KvCacheError(f"release of state group {self.index} while {', '.join(self._holders.values())} "
+                               "still uses its pools: close it first (nothing was released)")
+        from ..interop.dlpack import live_exports_of
+
+        pools = self._pools
+
+        def of_these_pools(owner: object) -> bool:  # the owner is the view, or (memory, view) on a host backend
+            view = owner[1] if type(owner) is tuple and len(owner) == 2 else owner
+            test = getattr(view, "exported_from", None)
+            return test is not None and test(pools)
+
+        exported = live_exports_of(of_these_pools)
+        if exported:
+            raise KvCacheError(f"release of state group {self.index} while {exported} DLPack export(s) of its "
+                               "state views are alive (a consumer's tensor would write into freed memory): drop "
+                               "them first; nothing was released")
+
     def pools(self) -> StatePools:
         """The slot pools."""
         return self._pools
@@ -299,6 +324,7 @@ class HybridKvCache:
         """Write `slot`'s state tensor `tensor` in `layer` from a host array of its shape. The
         slot must be held (count > 0) and not a cached checkpoint: refused otherwise."""
         group = self._state_group(self.group_of_layer(layer))
+        group.pools().check_backend(gpu)
         group.allocator().check_writable([group.pools().slot(slot)])
         group.pools().write(layer, slot, value, gpu, tensor)
 
@@ -307,14 +333,21 @@ class HybridKvCache:
         """Copy state slot `src_slots[i]` over `dst_slots[i]` in every layer and tensor of the
         state group (one backend copy, one launch on CudaBackend). Each destination must be
         held (count > 0); a cached checkpoint may be a destination only while its writer still
-        holds it. Refused naming the slot before anything is copied."""
+        holds it. Refused naming the slot before anything is copied (and for another backend)."""
         target = self._state_group(group)
+        target.pools().check_backend(gpu)
         src, dst = list(src_slots), list(dst_slots)
         if len(src) != len(dst):
             raise ValueError(f"copy_state takes as many sources as destinations, got {len(src)} and {len(dst)}")
+        reclaimer = target.allocator().reclaimer()
         for slot in dst:
-            if target.ref_count(target.pools().slot(slot)) == 0:
+            index = target.pools().slot(slot)
+            refs = target.ref_count(index)
+            if refs == 0:
                 raise KvCacheError(f"copy_state destination slot {slot} is not held")
+            if refs == 1 and reclaimer is not None and reclaimer.is_cached(index):
+                raise KvCacheError(f"copy_state destination slot {slot} is a cached checkpoint only the prefix "
+                                   "cache holds: shared state is read-only")
         target.pools().copy(src, dst, gpu, stream)
 
     def state_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False, tensor: int = 0):
@@ -323,6 +356,7 @@ class HybridKvCache:
         slot `s` at index `s` (see `pagedkv.interop.state_views`). Kept like `k_view`: the
         same (layer, tensor, gpu, stream, readonly) gives the same view object."""
         group = self._state_group(self.group_of_layer(layer))
+        group.pools().check_backend(gpu)
         key = None
         if type(layer) is int and type(tensor) is int and type(readonly) is bool and type(stream) not in (bool, float):
             key = (layer, tensor, id(gpu), stream, readonly)
@@ -362,13 +396,28 @@ class HybridKvCache:
         """A short name for teardown messages."""
         return f"HybridKvCache({self._config.num_layers} layers in {self.num_groups()} groups)"
 
+    def _take_guard(self, guard: ThreadGuard, pending, deliver) -> None:
+        """Every group's calls that change it, and this cache's `write_state` / `copy_state`,
+        enter `guard` (an attached HybridPrefixCache's): ConcurrentUseError from a second thread."""
+        for group in self._groups:
+            group._take_guard(guard, pending, deliver)
+        for name in ("write_state", "copy_state"):
+            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
+
+    def _drop_guard(self) -> None:
+        """Undo `_take_guard`."""
+        for group in self._groups:
+            group._drop_guard()
+        for name in ("write_state", "copy_state"):
+            self.__dict__.pop(name, None)
+
     def release(self, gpu: GpuBackend) -> None:
         """Release every group's pools (each attempted, the first error raised). KvCacheError,
-        nothing released, while a holder (an open KvTransfer of a group) uses any group."""
-        held = [label for group in self._groups for label in group.holders()]
-        if held:
-            raise KvCacheError(f"release of {self.label()} while {', '.join(held)} still uses its pools: "
-                               "close it first (nothing was released)")
+        nothing released, when any group refuses (`check_releasable`: another backend, a holder
+        such as an open KvTransfer of a group, a live DLPack export of a pool or state view).
+        A second call after a release does nothing."""
+        for group in self._groups:  # every group's checks before anything is closed or freed
+            group.check_releasable(gpu)
         self._release_groups(gpu, raise_first=True)
 
     def _release_groups(self, gpu: GpuBackend, raise_first: bool) -> None:

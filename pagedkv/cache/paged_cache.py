@@ -18,6 +18,7 @@ import numpy as np
 from ..backends.protocol import GpuBackend, check_copy_pairs, host_bytes
 from ..core.allocator import BlockAllocator, BlockReclaimer
 from ..core.config import KvCacheConfig
+from ..core.config import _scale as _checked_scale
 from ..core.elastic_allocator import ElasticBlockAllocator
 from ..core.env import flags
 from ..core.guard import ThreadGuard, guarded_call
@@ -148,19 +149,7 @@ class PagedKvCache(CacheGeometry):
         numpy array): the release is refused, not deferred."""
         if self._allocator.released() and not self._pools.pending() and self._nonfinite is None:
             return
-        self._pools.check_backend(gpu)
-        if self._holders:
-            raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
-                               "uses its pools: close it first (nothing was released)")
-        if not self._allocator.released():
-            from ..interop.dlpack import live_exports_of
-
-            exported = live_exports_of(self._exported_here)
-            if exported:
-                raise KvCacheError(
-                    f"release of {self.label()} while {exported} DLPack export(s) of its pools are alive (a "
-                    "consumer's tensor from k_view/v_view would write into freed memory): drop them first; "
-                    "nothing was released")
+        self.check_releasable(gpu)
         if not self._allocator.released():
             prefix_cache = self._allocator.reclaimer()
             close = getattr(prefix_cache, "close", None)
@@ -376,6 +365,26 @@ class PagedKvCache(CacheGeometry):
         for name in _GUARDED_METHODS:
             self.__dict__.pop(name, None)
 
+    def check_releasable(self, gpu: GpuBackend) -> None:
+        """The checks `release` makes before it changes anything (KvCacheError naming what is
+        wrong): `gpu` the cache's backend, no holder, no live DLPack export of a pool view.
+        Nothing to check once released."""
+        if self._allocator.released() and not self._pools.pending() and self._nonfinite is None:
+            return
+        self._pools.check_backend(gpu)
+        if self._holders:
+            raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
+                               "uses its pools: close it first (nothing was released)")
+        if not self._allocator.released():
+            from ..interop.dlpack import live_exports_of
+
+            exported = live_exports_of(self._exported_here)
+            if exported:
+                raise KvCacheError(
+                    f"release of {self.label()} while {exported} DLPack export(s) of its pools are alive (a "
+                    "consumer's tensor from k_view/v_view would write into freed memory): drop them first; "
+                    "nothing was released")
+
     def hold(self, holder: object, label: str) -> None:
         """Record `holder` (named `label`) as using the pools: `release` is refused until
         `let_go(holder)`."""
@@ -491,7 +500,7 @@ class PagedKvCache(CacheGeometry):
         """The config's fp8 scales; an explicit scale must be the config's (ValueError naming both)."""
         config = self._config
         for name, given, own in (("k_scale", k_scale, config.k_scale), ("v_scale", v_scale, config.v_scale)):
-            if given is not None and not (given == own or np.float32(given) == np.float32(own)):
+            if given is not None and np.float32(_checked_scale(given, name)) != np.float32(own):
                 raise ValueError(
                     f"{name} {given!r} differs from the cache's {name} {own!r}: the fp8 scales are part of the "
                     f"cache's layout, set them in KvCacheConfig({name}=...)"

@@ -99,5 +99,13 @@ class StateView(_MemoryExport):
         inner = tuple(int(s) for s in np.cumprod((1,) + self._state_shape[:0:-1])[::-1] * size) if self._state_shape else ()
         return _Layout(0, name, (slots,) + self._state_shape, (stride,) + inner)
 
+    def exported_from(self, pools: Any) -> bool:
+        """True when this view is of `pools` (a state group's StatePools)."""
+        return self._pools is pools
+
     def __repr__(self) -> str:
-        return f"StateView(layer={self._layer_index}, tensor={self._tensor}, {self.dtype}{list(self.shape)})"
+        try:
+            what = f"{self.dtype}{list(self.shape)}"
+        except Exception:  # noqa: BLE001 - a repr never raises (the cache may be released)
+            what = "of a released cache"
+        return f"StateView(layer={self._layer_index}, tensor={self._tensor}, {what})"

@@ -201,8 +201,7 @@ class HybridPrefixCache:
             raise
         # every group's calls that change it enter this cache's guard while it is attached, so
         # a second thread's call raises ConcurrentUseError (as PagedKvCache's do under PrefixCache)
-        for g in range(len(self._groups)):
-            cache.group(g)._take_guard(self._guard, self._events.pending, self.deliver_events)
+        cache._take_guard(self._guard, self._events.pending, self.deliver_events)
         self.hits = self.queries = self.hit_tokens = self.query_tokens = 0
 
     # -- plumbing ---------------------------------------------------------------------
@@ -584,7 +583,7 @@ class HybridPrefixCache:
         self._closed = True
         for g, rec in enumerate(self._reclaimers):
             self._allocator(g).detach_reclaimer(rec)
-            self._cache.group(g)._drop_guard()
+        self._cache._drop_guard()
 
     # -- queries ------------------------------------------------------------------------
 

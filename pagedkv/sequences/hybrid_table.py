@@ -177,9 +177,14 @@ class HybridSequenceTable(SequenceQueries):
             if self._prefix is not None and not self._prefix.closed():
                 evictable = sum(1 for slot in self._prefix.block_references(g) if group.ref_count(slot) == 1)
             have = min(len(positions) - 1, group.num_free_blocks() + evictable)
+            while True:  # the estimate may be high (an eviction can free less): shrink to what is there
+                try:
+                    slots = undo.alloc(g, have) if have else []
+                    break
+                except KvCacheExhausted:
+                    have -= 1
             self._skipped[g] += len(positions) - have
             positions = positions[len(positions) - have:]
-            slots = undo.alloc(g, have)
         self._init_slots(g, slots)
         return list(zip(positions, slots))
 

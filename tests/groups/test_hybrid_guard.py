@@ -26,6 +26,8 @@ CALLS = {
     "state alloc_block": lambda c, g: c.group(2).alloc_block(),
     "state free_slots": lambda c, g: c.group(2).free_slots([0], g, 0),
     "state fill_slots": lambda c, g: c.group(2).fill_slots([0], 7, g, 0),
+    "cache write_state": lambda c, g: c.write_state(2, 0, [1.0, 2.0, 3.0, 4.0], g),
+    "cache copy_state by keyword": lambda c, g: c.copy_state([0], [1], g, 0, group=2),
 }
 
 
@@ -35,6 +37,7 @@ def world():
     prefix = PrefixCache(cache)
     for g in range(3):
         assert cache.group(g).alloc_blocks(1) == [0]  # block / slot 0 held by the caller
+    assert cache.group(2).alloc_blocks(1) == [1]  # a second slot: a copy_state destination
     return gpu, cache, prefix
 
 
@@ -81,4 +84,4 @@ def test_reads_stay_unguarded():
         kind, counts = from_other_thread(lambda: (cache.group(0).ref_count(0), cache.group(2).num_free_blocks()))
     finally:
         prefix._guard.exit()
-    assert (kind, counts) == ("ok", (1, 3))
+    assert (kind, counts) == ("ok", (1, 2))

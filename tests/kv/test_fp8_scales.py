@@ -75,6 +75,9 @@ def test_another_scale_given_to_a_call_is_refused_naming_both_and_writes_nothing
             cache.read_tokens(0, [1], gpu, k_scale=1.0)
         with pytest.raises(ValueError, match=r"k_scale 2 differs"):
             cache.plan_layer_writes([0], [], [], gpu, k_scale=2)
+        for bad in ("0.5", "abc", float("nan"), True):  # never a number by accident, always named
+            with pytest.raises(ValueError, match="k_scale must be a finite positive number"):
+                cache.write_tokens(0, [1], rows, rows, gpu, 0, k_scale=bad)
         after = [cache.read_block(0, b, gpu) for b in range(4)]
         assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(before, after))
     finally:
