@@ -17,6 +17,10 @@ Accepted on purpose (not refused, documented here and in the README):
   device, when known, is checked (an address of another backend on the same device is not
   caught). One naming its backend, and every array pagedkv hands out (views, exports), is
   checked against the call's backend.
+- `pagedkv quality --tokens 100000` runs: the work streams in chunks of
+  `pagedkv.kv.quality.CHUNK_ELEMENTS` values (memory bounded by the chunk), with a progress
+  line on stderr on a terminal or with `--progress`; only past 10,000,000 tokens (time, not
+  memory) or a token's rows over one chunk is it refused.
 """
 
 from __future__ import annotations
@@ -193,7 +197,9 @@ CASES = {
     "backend_conformance unknown rule": (lambda w: backend_conformance(HostBackend, only=["nope"]), "'nope'"),
     # command line
     "quality --tokens 1": (lambda w: cli("quality", "--tokens", "1"), "exit status 2"),
-    "quality --tokens 100000": (lambda w: cli("quality", "--tokens", "100000"), "exit status 2"),
+    "quality --tokens past the bound": (lambda w: cli("quality", "--tokens", "10000001"), "exit status 2"),
+    "quality a token over one chunk": (lambda w: cli("quality", "--heads", "65536", "--head-dim", "32"),
+                                       "exit status 2"),
     "plan --dtype ''": (lambda w: cli(*PLAN, "--memory", "1GiB", "--dtype", ""), "exit status 2"),
     "plan absurd --memory": (lambda w: cli(*PLAN, "--memory", "99999999999999999999TiB"), "exit status 2"),
 }
