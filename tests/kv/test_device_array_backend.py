@@ -153,3 +153,28 @@ def test_cuda_refuses_an_array_of_another_backend_before_any_launch(stub_env):
         print("CHECK backend refused")
     ''')
     assert "CHECK backend refused" in out
+
+
+@pytest.mark.cuda
+def test_a_gpu_refuses_an_array_of_another_backend_with_nothing_written(cuda_session):
+    gpu, host = cuda_session, HostBackend(1 << 20)
+    cache = PagedKvCache(CONFIG, 4, gpu)
+    buffers = [gpu.alloc(8 * 5), gpu.alloc(5 * 64)]
+    try:
+        cache.zero_blocks(list(range(4)), gpu, 0)
+        slots = DeviceArray(buffers[0], (5,), "int64", backend=gpu)
+        mine = DeviceArray(buffers[1], (5, 1, 16), "float32", backend=gpu)
+        theirs = DeviceArray(host.alloc(5 * 64), (5, 1, 16), "float32", backend=host)
+        with pytest.raises(ValueError, match="^v is memory of HostBackend"):
+            cache.write_tokens(0, slots, mine, theirs, gpu, 0)
+        with pytest.raises(ValueError, match="^out_k is memory of HostBackend"):
+            cache.read_tokens(0, slots, gpu, out_k=theirs, out_v=mine)
+        gpu.synchronize(0)
+        size = 4 * cache.k_block_stride_bytes_for_layer(0)
+        got = np.empty(size, np.uint8)
+        gpu.copy_d2h(cache.k_pool_ptr(0), got)
+        assert not got.any()
+    finally:
+        for ptr in buffers:
+            gpu.free(ptr)
+        cache.release(gpu)
