@@ -38,7 +38,7 @@ class QualityRow:
 CHUNK_ELEMENTS = 1 << 20
 """Values (tokens x heads x head_dim) of one chunk: the table's work streams over the tokens
 in chunks of `chunk_tokens(heads, head_dim)` tokens, so its memory is bounded by the chunk
-(about 100 MB over the interpreter's, whatever the token count), not by the token count."""
+(about 100 MB over the interpreter's), not by the token count."""
 
 QUERIES = 8
 """Synthetic queries per head."""
