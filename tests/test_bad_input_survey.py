@@ -13,6 +13,14 @@ Accepted on purpose (not refused, documented here and in the README):
   counts cannot tell whose reference it drops; the sequence's later free raises.
 - A stream handle on a backend without `check_stream` (CudaBackend: a handle is a driver
   pointer it cannot check without using it) is checked when work is enqueued on it.
+- A `DeviceArray` built without `backend=` is taken on the caller's word: only its DLPack
+  device, when known, is checked (an address of another backend on the same device is not
+  caught). One naming its backend, and every array pagedkv hands out (views, exports), is
+  checked against the call's backend.
+- `pagedkv quality --tokens 100000` runs: the work streams in chunks of
+  `pagedkv.kv.quality.CHUNK_ELEMENTS` values (memory bounded by the chunk), with a progress
+  line on stderr on a terminal or with `--progress`; only past 10,000,000 tokens (time, not
+  memory) or a token's rows over one chunk is it refused.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import numpy as np
 import pytest
 
 from pagedkv import (
+    DeviceArray,
     HostBackend,
     HostTier,
     KvCacheConfig,
@@ -91,6 +100,12 @@ def blob_with(change):
     return tm.METADATA_MAGIC + len(text).to_bytes(8, "little") + text + b"nixl"
 
 
+def foreign_rows(tokens: int = 1):
+    """K/V rows in another HostBackend's memory, naming it as their owner."""
+    other = HostBackend(1 << 20)
+    return DeviceArray(other.alloc(tokens * 64), (tokens, 1, 16), "float32", backend=other)
+
+
 def cli(*argv):
     status = cli_main(list(argv))
     if status == 0:
@@ -122,6 +137,17 @@ CASES = {
     "write_tokens on another backend": (lambda w: w.cache.write_tokens(
         0, [w.table.blocks("b")[0] * BS], np.ones((1, 1, 16), np.float32), np.ones((1, 1, 16), np.float32),
         HostBackend(1 << 20), 0), "write_tokens with HostBackend"),
+    "write_tokens of a DeviceArray of another backend": (lambda w: w.cache.write_tokens(
+        0, [w.table.blocks("b")[0] * BS], np.ones((1, 1, 16), np.float32), foreign_rows(), w.gpu, 0),
+        "a DeviceArray or view of another backend"),
+    "read_tokens into a DeviceArray of another backend": (lambda w: w.cache.read_tokens(
+        0, [0], w.gpu, out_k=foreign_rows(), out_v=foreign_rows()), "out_k is memory of HostBackend"),
+    "write_tokens into slots of another backend's table": (lambda w: w.cache.write_tokens(
+        0, SequenceTable(PagedKvCache(KvCacheConfig(BS, 1, 16, 2, "bf16"), 2, other := HostBackend(1 << 20)), None,
+                         other).slot_mapping([], pad_to=1), np.ones((1, 1, 16), np.float32),
+        np.ones((1, 1, 16), np.float32), w.gpu, 0), "slots is memory of HostBackend"),
+    "plan_layer_writes of a DeviceArray of another backend": (
+        lambda w: w.cache.plan_layer_writes([0], [foreign_rows()], [foreign_rows()], w.gpu), "k of layer 0 is memory of"),
     "read_block on another backend": (lambda w: w.cache.read_block(0, 0, HostBackend(1 << 20)), "read_block with"),
     "plan_layer_reads on another backend": (lambda w: w.cache.plan_layer_reads([0], [None], [None], object()),
                                             "plan_layer_reads with object"),
@@ -171,7 +197,9 @@ CASES = {
     "backend_conformance unknown rule": (lambda w: backend_conformance(HostBackend, only=["nope"]), "'nope'"),
     # command line
     "quality --tokens 1": (lambda w: cli("quality", "--tokens", "1"), "exit status 2"),
-    "quality --tokens 100000": (lambda w: cli("quality", "--tokens", "100000"), "exit status 2"),
+    "quality --tokens past the bound": (lambda w: cli("quality", "--tokens", "10000001"), "exit status 2"),
+    "quality a token over one chunk": (lambda w: cli("quality", "--heads", "65536", "--head-dim", "32"),
+                                       "exit status 2"),
     "plan --dtype ''": (lambda w: cli(*PLAN, "--memory", "1GiB", "--dtype", ""), "exit status 2"),
     "plan absurd --memory": (lambda w: cli(*PLAN, "--memory", "99999999999999999999TiB"), "exit status 2"),
 }

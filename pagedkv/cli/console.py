@@ -1,5 +1,5 @@
-"""The command line's terminal: a stdout that ends quietly when its reader has gone, and
-pagedkv's events rendered on stderr."""
+"""The command line's terminal: a stdout that ends quietly when its reader has gone,
+pagedkv's events rendered on stderr, and a progress line on stderr (`Progress`)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,33 @@ def log_to_stderr(level: str) -> bool:
         cache_logger_on_first_use=False,
     )
     return True
+
+
+class Progress:
+    """A progress line on `stream` (stderr), never on stdout. On a terminal (`in_place`) it is
+    one line rewritten in place (carriage return, erase to the end of the line) and
+    `clear()` erases it before a result line goes out on stdout; elsewhere (`--progress`
+    into a file or pipe) each update is a line of its own and `clear()` does nothing."""
+
+    ERASE = "\r\x1b[K"
+
+    def __init__(self, stream, in_place: bool, command: str):
+        self._stream, self._in_place, self._command = stream, in_place, command
+        self._shown = False
+
+    def __call__(self, what: str, step: int, steps: int, done: int, total: int) -> None:
+        """Show `what` (pass `step` of `steps`): `done` of `total` tokens."""
+        text = f"pagedkv {self._command}: {what} ({step}/{steps}): {done:,}/{total:,} tokens"
+        if self._in_place:
+            self._stream.write(self.ERASE + text)
+            self._shown = True
+        else:
+            self._stream.write(text + "\n")
+        self._stream.flush()
+
+    def clear(self) -> None:
+        """Erase the line on a terminal (before stdout is written, and at the end)."""
+        if self._in_place and self._shown:
+            self._stream.write(self.ERASE)
+            self._stream.flush()
+            self._shown = False

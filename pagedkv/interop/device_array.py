@@ -3,6 +3,12 @@ reading of `__dlpack__` producers into one.
 
 The device KV path (`pagedkv.kv_device`) takes K/V rows, slot mappings and read outputs as
 DeviceArrays or as any DLPack producer on the backend's device; nothing is copied.
+
+A DeviceArray may name its owning `backend`: `from_dlpack` of a pagedkv producer (a pool or
+state view, a SequenceTable export's device copy) sets it, and every call that takes a
+DeviceArray with a `gpu` refuses one whose backend is another object, before anything is
+enqueued. A DeviceArray built without one (`backend=None`, what a user building one from an
+address gets) is taken on the caller's word, as before: only its DLPack device is checked.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ class DeviceArray:
     device address `ptr`; rows of axis 0 are `row_stride` elements apart (default: packed),
     every other axis is contiguous. `device` is the DLPack `(device_type, device_id)` the
     memory lives on when known (None: the caller vouches it is the backend's). Holds
-    `owner` (e.g. a DLPack capsule) alive as long as itself. ValueError/TypeError name a
-    bad field."""
+    `owner` (e.g. a DLPack capsule) alive as long as itself. `backend` is the backend whose
+    memory it is when known (None: unknown, the caller vouches; see the module docstring):
+    calls given another backend refuse the array. ValueError/TypeError name a bad field."""
 
     def __init__(self, ptr: int, shape, dtype, row_stride: int | None = None,
-                 device: tuple[int, int] | None = None, owner: Any = None):
+                 device: tuple[int, int] | None = None, owner: Any = None, backend: Any = None):
         if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or int(ptr) <= 0:
             raise ValueError(f"ptr must be a non-null device address (int), got {ptr!r}")
         shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
@@ -54,6 +61,8 @@ class DeviceArray:
         self.dtype = DEVICE_DTYPES[name]
         self.row_stride = int(row_stride)
         self.device = device
+        self.backend = backend
+        """The owning backend, or None when unknown (set by pagedkv's producers)."""
         self._owner = owner
 
     @property
@@ -68,10 +77,34 @@ class DeviceArray:
         return f"DeviceArray(0x{self.ptr:x}, shape={self.shape}, dtype={self.dtype.name}, row_stride={self.row_stride})"
 
 
+def owning_backend(obj: Any) -> Any:
+    """The backend whose memory `obj` is: a DeviceArray's `backend`, or what a pagedkv DLPack
+    producer (pool and state views, SequenceTable exports) names as `pagedkv_backend`; None
+    when unknown (a foreign producer, a DeviceArray built without one, a host export)."""
+    if isinstance(obj, DeviceArray):
+        return obj.backend
+    try:
+        return getattr(obj, "pagedkv_backend", None)
+    except Exception:  # noqa: BLE001 - a released view's property may raise: unknown, the export will say
+        return None
+
+
+def check_backend(obj: Any, what: str, gpu: Any) -> None:
+    """ValueError naming both backends when `obj` (a DeviceArray or DLPack producer) names
+    an owning backend that is not `gpu`; nothing when it names none."""
+    owner = owning_backend(obj)
+    if owner is not None and owner is not gpu:
+        raise ValueError(
+            f"{what} is memory of {type(owner).__name__} {owner!r:.60}, not of the call's "
+            f"{type(gpu).__name__} {gpu!r:.60}: a DeviceArray or view of another backend")
+
+
 def from_dlpack(obj: Any, stream: int | None = None) -> DeviceArray:
     """A DeviceArray over the memory `obj.__dlpack__(stream=...)` describes (no copy); the
-    capsule is kept alive with it. TypeError for an unsupported dtype or a layout whose
-    inner axes are not contiguous."""
+    capsule is kept alive with it, and the owning backend a pagedkv producer names
+    (`owning_backend`) is its `backend`. TypeError for an unsupported dtype or a layout
+    whose inner axes are not contiguous."""
+    backend = owning_backend(obj)
     capsule = obj.__dlpack__(stream=stream) if stream is not None else obj.__dlpack__()
     name = _capsule_name(capsule)
     if name == b"dltensor":
@@ -98,4 +131,4 @@ def from_dlpack(obj: Any, stream: int | None = None) -> DeviceArray:
             row_stride = strides[0]
     ptr = int(tensor.data or 0) + int(tensor.byte_offset)
     device = (int(tensor.device.device_type), int(tensor.device.device_id))
-    return DeviceArray(ptr, shape, _DLPACK_DTYPES[key], row_stride, device, owner=capsule)
+    return DeviceArray(ptr, shape, _DLPACK_DTYPES[key], row_stride, device, owner=capsule, backend=backend)

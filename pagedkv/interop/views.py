@@ -100,6 +100,11 @@ class _MemoryExport(DlpackProducer):
     _stream: Any
     _readonly: bool = False
 
+    @property
+    def pagedkv_backend(self) -> Any:
+        """The backend whose memory this is (what `DeviceArray.backend` of it becomes)."""
+        return self._gpu
+
     def _address(self) -> DevicePtr:  # pragma: no cover - subclasses define it
         raise NotImplementedError
 

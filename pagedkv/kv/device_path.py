@@ -9,6 +9,10 @@ included) is skipped by the write and reads as zeros; a slot repeated within one
 the caller's error (the rows race). NaN/inf inputs are counted in the cache's device
 counter instead of refused. On a host-memory backend (HostBackend) the same arguments are
 turned into numpy views of that memory and take the host codec path.
+
+On either path a device input that names its owning backend (`DeviceArray.backend`, a
+pagedkv DLPack producer's) is refused, ValueError naming both, when that backend is not
+the call's `gpu`, before anything is enqueued; one naming none is taken as given.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from ..core.env import flags
 from ..driver.kv_kernels import KvSideArgs
 from ..errors import PagedKvError
-from ..interop.device_array import DeviceArray, from_dlpack
+from ..interop.device_array import DeviceArray, check_backend, from_dlpack
 
 
 class DuplicateSlotError(PagedKvError, ValueError):
@@ -44,7 +48,7 @@ _PREPARED_LIMIT = 1024
 
 def _array_key(x: Any):
     if type(x) is DeviceArray:
-        return (x.ptr, x.shape, x.dtype, x.row_stride, x.device)
+        return (x.ptr, x.shape, x.dtype, x.row_stride, x.device, id(x.backend))
     return None
 
 
@@ -106,7 +110,8 @@ def _dlpack_stream(stream: int) -> int:
 
 
 def device_array(x: Any, what: str, gpu: Any, stream: int) -> DeviceArray:
-    """`x` as a DeviceArray on `gpu`'s device; TypeError naming `what` otherwise."""
+    """`x` as a DeviceArray on `gpu`'s device; TypeError naming `what` otherwise, ValueError
+    when it lives on another device or names another owning backend."""
     if isinstance(x, DeviceArray):
         arr = x
     elif is_device_input(x):
@@ -115,6 +120,7 @@ def device_array(x: Any, what: str, gpu: Any, stream: int) -> DeviceArray:
         raise TypeError(f"{what} must be a DeviceArray or a DLPack producer on the device, got {type(x).__name__}")
     from ..interop.views import dlpack_device_of
 
+    check_backend(arr, what, gpu)
     want = dlpack_device_of(gpu)
     if arr.device is not None and arr.device != want:
         raise ValueError(f"{what} lives on DLPack device {arr.device}, not on the backend's {want}")
@@ -122,7 +128,9 @@ def device_array(x: Any, what: str, gpu: Any, stream: int) -> DeviceArray:
 
 
 def host_view(x: Any, what: str, gpu: Any) -> np.ndarray:
-    """On a host-memory backend, `x` (DeviceArray or DLPack producer) as a numpy view."""
+    """On a host-memory backend, `x` (DeviceArray or DLPack producer) as a numpy view;
+    ValueError when `x` names an owning backend other than `gpu`."""
+    check_backend(x, what, gpu)
     if isinstance(x, DeviceArray):
         raw = gpu.view(x.ptr, x.nbytes_spanned) if x.nbytes_spanned else np.zeros(0, np.uint8)
         rows = x.shape[0]
@@ -142,7 +150,10 @@ def host_view(x: Any, what: str, gpu: Any) -> np.ndarray:
 
 def host_slots(slots: Any, gpu: Any) -> Any:
     """Slots for the host path: a DeviceArray (in a host-memory backend) as a numpy view;
-    anything else as given (numpy, sequences, SequenceTable exports through `__array__`)."""
+    anything else as given (numpy, sequences, SequenceTable exports through `__array__`).
+    ValueError when `slots` names an owning backend other than `gpu` (an export of another
+    backend's table names slots of another cache)."""
+    check_backend(slots, "slots", gpu)
     if isinstance(slots, DeviceArray):
         if not callable(getattr(gpu, "view", None)):
             raise TypeError(f"device slots on {type(gpu).__name__} need device k/v or out_k/out_v (the device path)")

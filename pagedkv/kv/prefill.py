@@ -19,6 +19,7 @@ import numpy as np
 
 from ..codecs.side import check_scale
 from ..driver.kv_kernels import KvSideArgs
+from ..interop.device_array import check_backend
 from . import device_path as kv_device
 from . import rows as kv_rows
 
@@ -31,7 +32,8 @@ class LayerWritePlan:
     (ValueError/TypeError naming the bad layer or array, nothing allocated then). The row
     buffers are read at each `write`, so new contents written into them make the next
     prefill; their addresses are taken when the plan is made (a DLPack producer is asked
-    for its tensor then, on the legacy default stream). The plan is valid while the cache
+    for its tensor then, on the legacy default stream). A row array naming another owning
+    backend than `gpu` (`DeviceArray.backend`) is refused then, ValueError naming both. The plan is valid while the cache
     holds its pools and the row buffers stay allocated; close it first. Use from one
     thread at a time."""
 
@@ -71,8 +73,9 @@ class LayerWritePlan:
         for layer, k, v in zip(layers, k_rows, v_rows):
             heads, head_dim, k_fmt, v_fmt = kv_rows.layer_geometry(pools, layer)
             if not self._device:
-                self.num_tokens = self._tokens(kv_device.host_view(k, f"k of layer {layer}", gpu) if
-                                               kv_device.is_device_input(k) else k, layer)
+                rows = kv_device.host_view(k, f"k of layer {layer}", gpu) if kv_device.is_device_input(k) else k
+                check_backend(v, f"v of layer {layer}", gpu)
+                self.num_tokens = self._tokens(rows, layer)
                 continue
             k_arr = _layer_rows(k, f"k of layer {layer}", gpu, heads, head_dim, self.num_tokens)
             self.num_tokens = k_arr.shape[0]
@@ -169,7 +172,8 @@ class LayerReadPlan:
     `read(slots, stream)` decodes the slots of every layer into the outputs with one
     `pagedkv_kv_read_layers` launch on CudaBackend, byte-identical to a `read_tokens` per
     layer (a slot outside the cache reads as zeros) and capturable in a CUDA graph; elsewhere a
-    `read_tokens` per layer. The plan keeps a small device table, freed by `close()`; it is
+    `read_tokens` per layer. An output naming another owning backend than `gpu`
+    (`DeviceArray.backend`) is refused when the plan is made, ValueError naming both. The plan keeps a small device table, freed by `close()`; it is
     valid while the cache holds its pools and the outputs stay allocated. Use from one thread
     at a time."""
 
@@ -203,6 +207,8 @@ class LayerReadPlan:
         for layer, ok, ov in zip(layers, out_k, out_v):
             heads, head_dim, k_fmt, v_fmt = kv_rows.layer_geometry(pools, layer)
             if not self._device:
+                check_backend(ok, f"out_k of layer {layer}", gpu)
+                check_backend(ov, f"out_v of layer {layer}", gpu)
                 continue
             k_arr = _layer_rows(ok, f"out_k of layer {layer}", gpu, heads, head_dim, self.num_tokens)
             self.num_tokens = k_arr.shape[0]

@@ -279,12 +279,15 @@ def read_tokens(
         if kv_device.has_kv_kernels(gpu):
             return kv_device.read_tokens(pools, layer, layer_geometry(pools, layer), slots, gpu, stream, unrotate, k_scale, v_scale, out_k, out_v)
         k, v = read_tokens(pools, layer, slots, gpu, unrotate, k_scale, v_scale)
-        for out, values, what in ((out_k, k, "out_k"), (out_v, v, "out_v")):
+        views = []
+        for out, values, what in ((out_k, k, "out_k"), (out_v, v, "out_v")):  # both checked before either is written
             view = kv_device.host_view(out, what, gpu) if kv_device.is_device_input(out) else out
             if view.shape != values.shape:
                 raise ValueError(f"{what} must be shaped {values.shape}, got {view.shape}")
             if view.dtype.name not in ("float32", "bfloat16"):
                 raise TypeError(f"{what} must be float32 or bfloat16, got dtype {view.dtype}")
+            views.append((view, values))
+        for view, values in views:
             view[...] = values.astype(view.dtype)
         return out_k, out_v
     slots = kv_device.host_slots(slots, gpu)

@@ -54,6 +54,12 @@ class Exported(NamedTuple):
     __dlpack__ = export_dlpack
     __dlpack_device__ = export_dlpack_device
 
+    @property
+    def pagedkv_backend(self):
+        """The backend holding `device` (None without one: the host array is exported)."""
+        source = self.device[0] if isinstance(self.device, tuple) else self.device
+        return getattr(source, "pagedkv_backend", None)
+
     def __array__(self, dtype=None, copy=None):
         """The host array (numpy's conversion protocol); a page-table export raises TypeError."""
         if isinstance(self.host, PageTable):

@@ -147,14 +147,14 @@ class TierCodec:
         """Decode the transcoded layers' rows of `src` and encode them into `dst`: device
         block slots are in the slot buffer, staging slots 0.. in the other."""
         gpu, config = self._gpu, self.config
-        src_slots = DeviceArray(int(self._src_slots if down else self._stage_slots), (tokens,), "int64")
-        dst_slots = DeviceArray(int(self._stage_slots if down else self._src_slots), (tokens,), "int64")
+        src_slots = DeviceArray(int(self._src_slots if down else self._stage_slots), (tokens,), "int64", backend=gpu)
+        dst_slots = DeviceArray(int(self._stage_slots if down else self._src_slots), (tokens,), "int64", backend=gpu)
         for layer, transcoded in enumerate(self.transcoded):
             if not transcoded:
                 continue
             heads, head_dim = config.dims_for_layer(layer)
-            k = DeviceArray(int(self._k_rows), (tokens, heads, head_dim), "float32")
-            v = DeviceArray(int(self._v_rows), (tokens, heads, head_dim), "float32")
+            k = DeviceArray(int(self._k_rows), (tokens, heads, head_dim), "float32", backend=gpu)
+            v = DeviceArray(int(self._v_rows), (tokens, heads, head_dim), "float32", backend=gpu)
             kv_rows.read_tokens(src, layer, src_slots, gpu, k_scale=config.k_scale, v_scale=config.v_scale,
                                 out_k=k, out_v=v, stream=stream)  # (the tier's scales are the cache's)
             kv_rows.write_tokens(dst, layer, dst_slots, k, None if config.v_aliases_k else v, gpu, stream,

@@ -306,8 +306,8 @@ def test_quality_prints_each_format_as_it_is_measured_and_a_bad_size_is_refused(
 
     seen = []
 
-    def rows(*args):
-        for row in real_rows(*args):
+    def rows(*args, **kwargs):
+        for row in real_rows(*args, **kwargs):
             seen.append(capsys.readouterr().out.count("\n"))  # lines already out before this row is given
             yield row
 
@@ -315,11 +315,14 @@ def test_quality_prints_each_format_as_it_is_measured_and_a_bad_size_is_refused(
     assert main(["quality", "--tokens", "16", "--heads", "1", "--head-dim", "16"]) == 0
     assert seen[0] == 3 and seen[1:] == [1] * (len(seen) - 1)  # description and head, then one row at a time
     assert main(["quality", "--tokens", "1"]) == 2
-    assert main(["quality", "--tokens", "4096", "--heads", "8", "--head-dim", "256"]) == 2
+    assert main(["quality", "--tokens", "10000001"]) == 2
+    assert main(["quality", "--heads", "8193", "--head-dim", "128"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("pagedkv quality: argument --tokens: must be an integer from 2 to 4,194,304")
-    assert err[1] == ("pagedkv quality: --tokens 4096 x --heads 8 x --head-dim 256 is 8,388,608 values, over the "
-                      "bound of 4,194,304 (every format's copy is kept in memory); use fewer tokens")
+    assert err[0].startswith("pagedkv quality: argument --tokens: must be an integer from 2 to 10,000,000")
+    assert err[1].startswith("pagedkv quality: argument --tokens: must be an integer from 2 to 10,000,000")
+    assert ", got '10000001'" in err[1]
+    assert err[2] == ("pagedkv quality: --heads 8193 x --head-dim 128 is 1,048,704 values a token, over the "
+                      "1,048,576 of one chunk of work")
 
 
 def test_an_output_that_cannot_be_written_is_one_line_on_stderr_and_status_1():
@@ -327,3 +330,64 @@ def test_an_output_that_cannot_be_written_is_one_line_on_stderr_and_status_1():
                            "--head-dim", "16", "--memory", "1GiB"], stdout=open("/dev/full", "w"),
                           stderr=subprocess.PIPE, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (1, "pagedkv plan: cannot write the output: No space left on device\n")
+
+
+QUALITY_SMALL = ["quality", "--tokens", "10", "--heads", "1", "--head-dim", "16"]
+
+
+def _quality_progress_lines():
+    from pagedkv import KvCacheDtype
+
+    names = ["reference"] + [str(f) for f in KvCacheDtype]
+    return [[f"pagedkv quality: {name} ({step}/17): {done}/10 tokens" for done in (4, 8, 10)]
+            for step, name in enumerate(names, 1)]
+
+
+def test_quality_progress_goes_to_stderr_one_line_per_chunk_with_progress(capsys, monkeypatch):
+    import pagedkv.kv.quality as quality
+
+    monkeypatch.setattr(quality, "CHUNK_ELEMENTS", 64)  # chunks of 4 tokens: 4, 8, 10 done per pass
+    assert main(QUALITY_SMALL) == 0
+    plain = capsys.readouterr()
+    assert plain.err == ""  # not a terminal and no --progress: nothing on stderr
+    assert main([*QUALITY_SMALL, "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain.out  # stdout is the table alone
+    assert err.splitlines() == [line for lines in _quality_progress_lines() for line in lines]
+
+
+def test_quality_progress_on_a_terminal_is_one_line_rewritten_and_erased_before_each_row(capsys, monkeypatch):
+    import io
+
+    import pagedkv.kv.quality as quality
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(quality, "CHUNK_ELEMENTS", 64)
+    assert main(QUALITY_SMALL) == 0
+    plain = capsys.readouterr().out
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(QUALITY_SMALL) == 0
+    erase = "\r\x1b[K"
+    reference, *formats = _quality_progress_lines()
+    want = "".join(erase + line for line in reference) + "".join(
+        "".join(erase + line for line in lines) + erase for lines in formats)
+    assert terminal.getvalue() == want
+    assert capsys.readouterr().out == plain
+
+
+def test_quality_tier_progress_names_each_pairing(capsys, monkeypatch):
+    import pagedkv.kv.quality as quality
+
+    monkeypatch.setattr(quality, "CHUNK_ELEMENTS", 160)  # one chunk of 10 tokens a pass
+    assert main([*QUALITY_SMALL, "--tier", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    err = err.splitlines()
+    pairings = [line.split()[:2] for line in out.splitlines()[4:]]
+    steps = len(pairings) + 2
+    assert err[0] == f"pagedkv quality: bf16 reference (1/{steps}): 10/10 tokens"
+    assert err[1] == f"pagedkv quality: bf16 -> {pairings[0][1]} (2/{steps}): 10/10 tokens"
+    assert len(err) == steps and err[-1].endswith(f"({steps}/{steps}): 10/10 tokens")

@@ -101,3 +101,81 @@ def test_bench_section_prints_the_same_table(capsys):
     bench_quality.run(argparse.Namespace(quick=True))
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == format_table(quality_table(128, 8, 128, 0)).splitlines()
+
+
+def _one_shot_synthetic_kv(tokens, heads, head_dim, seed):
+    """The generator as it was before streaming (whole arrays, one rng): the chunked one must draw the same."""
+    rng = np.random.default_rng(seed)
+    spread = np.exp(rng.normal(0.0, 0.5, (heads, head_dim)))
+    k = rng.standard_t(4, (tokens, heads, head_dim)) * spread
+    outliers = np.stack([rng.choice(head_dim, 4, replace=False) for _ in range(heads)])
+    for h in range(heads):
+        k[:, h, outliers[h]] = k[:, h, outliers[h]] * 8 + rng.normal(0, 12, 4)
+    v_spread = np.exp(rng.normal(0.0, 0.3, (heads, head_dim)))
+    v = rng.standard_t(5, (tokens, heads, head_dim)) * v_spread
+    v[:, np.arange(heads), rng.integers(0, head_dim, heads)] *= 6
+    q = rng.standard_normal((8, heads, head_dim))
+    for h in range(heads):
+        q[:, h, outliers[h]] *= 3
+    q *= (SCORE_SPREAD / (np.einsum("qhd,thd->qht", q, k) / np.sqrt(head_dim)).std(axis=-1))[..., None]
+    return k.astype(np.float32), v.astype(np.float32), q.astype(np.float32)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+def test_the_chunks_are_the_one_shot_draws(chunk):
+    from pagedkv.kv.quality import SyntheticKv
+
+    k, v, q = _one_shot_synthetic_kv(23, 2, 32, 4)
+    data = SyntheticKv(23, 2, 32, 4, chunk=chunk)
+    parts = list(data.chunks())
+    assert [p[0].shape[0] for p in parts] == data.sizes() == [chunk] * (23 // chunk) + ([23 % chunk] if 23 % chunk else [])
+    assert np.array_equal(np.concatenate([p[0] for p in parts]), k)
+    assert np.array_equal(np.concatenate([p[1] for p in parts]), v)
+    np.testing.assert_allclose(data.q, q, rtol=1e-6)  # the score spread merged chunk by chunk
+    assert list(data.chunks())[0][0].tobytes() == parts[0][0].tobytes()  # a second pass draws the same
+
+
+def test_streamed_attention_is_the_whole_softmax():
+    from pagedkv.kv.quality import StreamedAttention
+
+    k, v, q = _one_shot_synthetic_kv(40, 2, 16, 1)
+    streamed = StreamedAttention(q)
+    for start in range(0, 40, 6):
+        streamed.add(k[start:start + 6], v[start:start + 6])
+    np.testing.assert_allclose(streamed.result(), attention(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+def test_the_work_streams_in_chunks_and_gives_the_unchunked_table(monkeypatch):
+    """Memory is bounded by the chunk: every array the codecs see holds at most `chunk` tokens
+    (10 tokens in chunks of 4: 4, 4, 2 per pass), and the table equals one chunk's."""
+    import pagedkv.kv.quality as quality
+    from pagedkv.kv.quality import format_tier_table, quality_rows, tier_table
+
+    seen = []
+    real = quality._round_trip
+
+    def recording(x, fmt, rotate):
+        seen.append(x.shape[0])
+        return real(x, fmt, rotate)
+
+    whole = format_table(list(quality_rows(10, 1, 16, 2, chunk=10)))
+    whole_tier = format_tier_table(tier_table(10, 1, 16, 2, chunk=10))
+    monkeypatch.setattr(quality, "_round_trip", recording)
+    monkeypatch.setattr(quality, "CHUNK_ELEMENTS", 64)  # 4 tokens of 1 x 16
+    assert quality.chunk_tokens(1, 16) == 4
+    streamed = format_table(list(quality_rows(10, 1, 16, 2)))
+    assert set(seen) == {4, 2} and seen.count(4) == 2 * seen.count(2)
+    assert streamed == whole
+    seen.clear()
+    assert format_tier_table(tier_table(10, 1, 16, 2)) == whole_tier
+    assert set(seen) == {4, 2}
+
+
+def test_progress_is_reported_after_each_chunk_of_each_pass():
+    from pagedkv.kv.quality import quality_rows
+
+    calls = []
+    rows = list(quality_rows(5, 1, 16, 0, progress=lambda *a: calls.append(a), chunk=2))
+    names = ["reference"] + [str(f) for f in KvCacheDtype]
+    assert calls == [(name, step, 17, done, 5) for step, name in enumerate(names, 1) for done in (2, 4, 5)]
+    assert len(rows) == 16
