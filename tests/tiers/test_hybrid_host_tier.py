@@ -189,8 +189,8 @@ def test_swaps_need_the_caches_own_tier_and_a_table_with_a_backend():
         bare.swap_out("a", tier)
     with pytest.raises(KeyError, match="unknown sequence 'zz'"):
         table.swap_out("zz", tier)
-    with pytest.raises(KvCacheError, match="host and disk tiers do not support"):
-        PrefixCache(cache, host_tier=tier)
+    with pytest.raises(KvCacheError, match="a disk tier does not support"):
+        PrefixCache(cache, host_tier=tier, disk_tier=object())
 
 
 PARK_ON_STUB = '''
