@@ -14,24 +14,21 @@ for the device, "CPU" for the host.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.log import get_logger
 from ..errors import KvCacheError
-
-if TYPE_CHECKING:
-    from ..tiers.hybrid_host_tier import HybridHostTier
-    from .hybrid_prefix import HybridMatch, HybridPrefixCache
+from ..tiers.hybrid_host_tier import HybridHostTier
 
 _log = get_logger("prefix_cache")
 
 
 class HybridTiering:
-    """The host-tier part of one `HybridPrefixCache`: per group, which node each host id
+    """The host-tier part of one `HybridPrefixCache` (`owner`): per group, which node each host id
     holds (`by_host[g]`), the host entries pinned by outstanding matches, the moves between
     the tiers and their counts (`demotions`, `promotions`, `host_drops`)."""
 
-    def __init__(self, owner: "HybridPrefixCache", tier: "HybridHostTier", swap_stream: object):
+    def __init__(self, owner: Any, tier: HybridHostTier, swap_stream: object):
         self.owner, self.tier, self.swap_stream = owner, tier, swap_stream
         self.by_host: list[dict[int, Any]] = [{} for _ in range(tier.num_groups())]
         self._pins: dict[tuple[int, int], int] = {}
@@ -141,7 +138,7 @@ class HybridTiering:
 
     # -- promotion ------------------------------------------------------------------------
 
-    def promote(self, found: "HybridMatch", stream: Any, wait: bool) -> "HybridMatch":
+    def promote(self, found: Any, stream: Any, wait: bool) -> Any:
         """`found` with its host entries of every group brought to fresh device ids in ONE
         swap_in on `stream` (the host waits for it when `wait`): the cache's reference on
         them, the caller's reference (the one the match stands for) on them too, their host
