@@ -445,6 +445,7 @@ class HybridPrefixCache:
         tokens = token_ids(tokens, "tokens")
         adapter_id = adapter_id_checked(adapter_id)
         keys = self._keys(adapter_id, cache_salt, extra_keys, keys)
+        self._check_tier()
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
         path = self._path(tokens, limit, adapter_id, keys)
         p = self._best(path, limit)
@@ -492,13 +493,23 @@ class HybridPrefixCache:
             if refresh:
                 tiering.tier.group(g).touch([host for _, host in reversed(pairs)])
 
+    @guarded
     def promote(self, found: HybridMatch, stream: object, wait: bool) -> HybridMatch:
         """`found` with every group's host entries promoted to fresh device ids in ONE swap
         on `stream` (see `hybrid_tiering.HybridTiering.promote`); `found` itself when it has
         none. Nothing changes when it fails. Called by `SequenceTable.add` inside its guard."""
         if self._tiering is None or not any(found.host_entries):
             return found
+        self._check_open("promote")
         return self._tiering.promote(found, stream, wait)
+
+    def _check_tier(self) -> None:
+        """A released host tier: forget its entries, go on device-only (as `PrefixCache` does)."""
+        if self._tiering is not None and not self._tiering.live():
+            self._tiering.forget_released()
+            for g in range(len(self._groups)):
+                self._tiering.tier.group(g).detach_owner(self._guard)
+            self._tiering = None
 
     def _take(self, g: int, entries: list[int]) -> None:
         if entries:
@@ -543,6 +554,7 @@ class HybridPrefixCache:
         if deepest > len(tokens):
             raise ValueError(f"an entry ends at {deepest}, past the {len(tokens)} tokens given")
         u = self._unit
+        self._check_tier()
         data = int64_bytes_of_ids(list(tokens[: (deepest // u) * u]))
         node, path, step = self._root(adapter_id, keys), [], 8 * u
         for k in range(deepest // u):
@@ -634,6 +646,7 @@ class HybridPrefixCache:
         return False
 
     def _reclaim(self, g: int, n: int) -> bool:
+        self._check_tier()
         alloc = self._allocator(g)
         where, last = self._where[g], self._last[g]
         candidates = [e for e in where if alloc.ref_count(e) == 1]
@@ -684,6 +697,7 @@ class HybridPrefixCache:
         for g in range(len(self._groups)):
             for entry in list(self._where[g]):
                 self._drop(g, entry)
+        self._check_tier()
         if self._tiering is not None:
             self._tiering.forget_all()
         self.deliver_events()
@@ -697,8 +711,7 @@ class HybridPrefixCache:
             for entry in list(self._where[g]):
                 self._drop(g, entry)
         if self._tiering is not None:
-            if all(self._tiering.tier.group(g).is_live() for g in range(len(self._groups))):
-                self._tiering.forget_all()
+            self._tiering.forget_all() if self._tiering.live() else self._tiering.forget_released()
             for g in range(len(self._groups)):
                 self._tiering.tier.group(g).detach_owner(self._guard)
         self._closed = True

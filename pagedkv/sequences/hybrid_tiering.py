@@ -130,6 +130,25 @@ class HybridTiering:
                 owner._emit(owner._removed_event(g, host, node, "CPU"))
             owner._prune(node)
 
+    def live(self) -> bool:
+        """False once any group's host tier was released."""
+        return all(self.tier.group(g).is_live() for g in range(len(self.by_host)))
+
+    def forget_released(self) -> None:
+        """The host tier was released: forget every host entry (their host ids are gone with
+        it), one `GroupBlockRemoved` on the CPU each; the owner goes on device-only."""
+        owner = self.owner
+        for g, by_host in enumerate(self.by_host):
+            for host, node in list(by_host.items()):
+                del node.lower[g]
+                self.host_drops += 1
+                if owner._events.consumer is not None:
+                    owner._emit(owner._removed_event(g, host, node, "CPU"))
+                owner._prune(node)
+            by_host.clear()
+        self._pins.clear()
+        _log.info("prefix_cache_host_tier_gone", groups=len(self.by_host))
+
     def forget_all(self) -> None:
         """Drop every host entry of every group (clear, close)."""
         for g, by_host in enumerate(self.by_host):

@@ -255,6 +255,20 @@ def test_clear_and_close_free_every_host_entry(world):
     world.tier.group(0).alloc(12)  # no longer owned: the tier is the caller's again
 
 
+def test_releasing_the_host_tier_first_leaves_a_device_only_cache(world):
+    world.cached_prompt()
+    world.prefix.evict(1, 99)
+    world.tier.release(world.gpu)
+    world.events.clear()
+    assert world.prefix.match(PROMPT, limit=16).num_tokens == 0  # the sliding blocks were on the host
+    assert [(type(e).__name__, e.medium) for e in world.events] == [("GroupBlockRemoved", "CPU")] * 2
+    assert world.prefix.host_tier() is None and world.prefix.host_entries() == []
+    world.prefix.evict(0, 99)  # dropped now: nowhere to demote to
+    assert world.prefix.num_cached(0) == 0
+    world.table.check_invariants()
+    world.prefix.close()
+
+
 def test_construction_checks():
     gpu = HostBackend()
     cache = PagedKvCache(config(), [8, 8, None], gpu, num_state_slots=4)
