@@ -160,6 +160,7 @@ def _serve(config, requests, scale: float, host_scale: float = 0) -> tuple[float
     active: list[int] = []
     for i, (_, prompt, reply) in enumerate(requests):
         hits += table.add(i, prompt)
+        table.take_pending_copies()  # the engine performs them (checkpoint -> live slot) before its step
         table.cache_prefix(i)  # the engine, once the prefill step's KV and checkpoints are written
         table.append(i, token_ids=reply)
         table.cache_prefix(i)  # and at the turn's end
