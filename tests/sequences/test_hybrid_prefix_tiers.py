@@ -194,6 +194,34 @@ def test_a_failing_demotion_swap_leaves_the_victims_on_the_device(world):
     world.table.check_invariants()
 
 
+def test_an_add_whose_eviction_cannot_demote_changes_nothing():
+    world = World(blocks=(6, 6, None), slots=4)
+    world.cached_prompt()  # the full group's 4 cached blocks leave 2 free: the next add must evict
+    state = world.counts()
+    world.gpu.fail = True
+    with pytest.raises(IndexError, match="planted failure"):
+        world.table.add("b", list(range(300, 317)))
+    assert "b" not in world.table and world.counts() == state
+    world.table.check_invariants()
+    world.gpu.fail = False
+    world.table.add("b", list(range(300, 317)))
+    assert world.prefix.num_host_entries(0) >= 1
+    world.table.check_invariants()
+
+
+def test_a_table_without_a_backend_promotes_on_the_swap_stream_and_waits():
+    world = World()
+    before = world.cached_prompt()
+    for g in range(3):
+        world.prefix.evict(g, 99)
+    bare = SequenceTable(world.cache, world.prefix)
+    world.garble_free()
+    assert bare.add("b", PROMPT) == 16
+    assert world.contents() == {k: v for k, v in before.items() if k != (tuple(PROMPT[:8]), 2)}
+    assert [g for g, _, _ in bare.take_pending_copies()] == [2]  # the checkpoint into the live slot: the engine's
+    bare.check_invariants()
+
+
 def test_a_full_host_tier_drops_its_least_recently_used_entry_and_never_a_pinned_one():
     world = World(host=(12, 1, 8))
     world.cached_prompt()
