@@ -15,6 +15,9 @@ all-full-attention cache of the same layers.
   fixed size so eviction runs; state groups checkpoint every 256 tokens. The engine modelled
   calls `cache_prefix` once a prompt's prefill is written and again at its turn's end;
   4 conversations decode at once, the oldest freed when a fifth arrives;
+- the same workload with a device cache of a quarter of that size, without and with a
+  `HybridHostTier` holding the rest (evicted entries of every group demoted, promoted back at
+  a hit): both rates and their ratio; floor 0.9x of the oracle with the host tier;
 - bookkeeping per decode step: `append` of one token to 64 sequences, the hybrid table
   against a one-group SequenceTable of the same layers (a ratio; no floor).
 """
@@ -27,7 +30,7 @@ import numpy as np
 
 from floors import ceiling, floor
 
-from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
+from pagedkv import HostBackend, HybridHostTier, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.core.layer_groups import LayerGroup
 from pagedkv.groups.layout import GroupLayout
 
@@ -124,33 +127,54 @@ def hit_rates(quick: bool) -> None:
     print(f"  prefix hit rate, {len(requests)} requests of {conversations} conversations x {turns} turns "
           f"(oracle {oracle_tokens / prompt_tokens:.3f} of {prompt_tokens:,} prompt tokens):")
     for name, config in patterns(small=True).items():
-        gpu = HostBackend()
-        layout = GroupLayout(config)
-        live = 4  # conversations decoding at once
-        per_seq = [layout.blocks_per_sequence(g, 4000) if layout.groups[g].is_attention() else None
-                   for g in range(layout.num_groups())]
-        blocks = [None if n is None else n * live * 6 for n in per_seq]
-        slots = live * 40
-        cache = PagedKvCache(config, blocks, gpu, num_state_slots=slots if layout.state_groups() else None)
-        prefix = PrefixCache(cache)
-        table = SequenceTable(cache, prefix)
-        hits = 0
-        active: list[int] = []
-        for i, (_, prompt, reply) in enumerate(requests):
-            hits += table.add(i, prompt)
-            table.cache_prefix(i)  # the engine, once the prefill step's KV and checkpoints are written
-            table.append(i, token_ids=reply)
-            table.cache_prefix(i)  # and at the turn's end
-            active.append(i)
-            if len(active) >= live:
-                table.free(active.pop(0))
-        for i in active:
-            table.free(i)
-        rate = hits / prompt_tokens
-        groups = ", ".join(f"{g.kind} {cache.num_blocks(group=k):,}" for k, g in enumerate(layout.groups))
+        rate, groups = _serve(config, requests, 6)
         print(f"    {name:<18} {rate:.3f} ({groups})")
         floor(f"{name} hit rate vs the oracle", rate / (oracle_tokens / prompt_tokens), 0.9)
-        cache.release(gpu)
+    print("  the same with a device cache of a quarter of that size, without and with a host tier (the rest):")
+    for name, config in patterns(small=True).items():
+        small, _ = _serve(config, requests, 1.5)
+        tiered, _ = _serve(config, requests, 1.5, host_scale=4.5)
+        print(f"    {name:<18} device only {small:.3f}, with a host tier {tiered:.3f} ({tiered / max(small, 1e-9):.2f}x)")
+        floor(f"{name} hit rate, a quarter-size device cache with a host tier, vs the oracle",
+              tiered / (oracle_tokens / prompt_tokens), 0.9)
+
+
+def _serve(config, requests, scale: float, host_scale: float = 0) -> tuple[float, str]:
+    """The hit rate of serving `requests` with a device cache of `scale` sequences' worth of
+    blocks per live conversation (and a HybridHostTier of `host_scale` when given)."""
+    gpu = HostBackend()
+    layout = GroupLayout(config)
+    live = 4  # conversations decoding at once
+    per_seq = [layout.blocks_per_sequence(g, 4000) if layout.groups[g].is_attention() else None
+               for g in range(layout.num_groups())]
+    blocks = [None if n is None else int(n * live * scale) for n in per_seq]
+    slots = int(live * 40 * scale / 6)
+    cache = PagedKvCache(config, blocks, gpu, num_state_slots=slots if layout.state_groups() else None)
+    tier = None
+    if host_scale:
+        tier = HybridHostTier(cache, [None if n is None else int(n * live * host_scale) for n in per_seq], gpu,
+                              num_state_slots=int(slots * host_scale / scale) if layout.state_groups() else None)
+    prefix = PrefixCache(cache, host_tier=tier)
+    table = SequenceTable(cache, prefix)
+    hits = 0
+    active: list[int] = []
+    for i, (_, prompt, reply) in enumerate(requests):
+        hits += table.add(i, prompt)
+        table.take_pending_copies()  # the engine performs them (checkpoint -> live slot) before its step
+        table.cache_prefix(i)  # the engine, once the prefill step's KV and checkpoints are written
+        table.append(i, token_ids=reply)
+        table.cache_prefix(i)  # and at the turn's end
+        active.append(i)
+        if len(active) >= live:
+            table.free(active.pop(0))
+    for i in active:
+        table.free(i)
+    groups = ", ".join(f"{g.kind} {cache.num_blocks(group=k):,}" for k, g in enumerate(layout.groups))
+    prefix.close()
+    if tier is not None:
+        tier.release(gpu)
+    cache.release(gpu)
+    return hits / sum(len(p) for _, p, _ in requests), groups
 
 
 def decode_cost(quick: bool) -> None:

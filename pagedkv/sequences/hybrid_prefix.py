@@ -29,12 +29,16 @@ those a one-group cache of its block size reports for the same tokens and keys. 
 extra keys are those of its units in position order (each once), then the salt on a
 prompt's first block: vLLM's placement when keys are given in position order.
 
-Not here yet: host and disk tiers (refused at construction).
+Host tier (`PrefixCache(cache, host_tier=HybridHostTier(...))`, `hybrid_tiering`): an
+evicted entry is demoted to its group's host tier instead of dropped; the match rule counts
+a host-held entry as present (`HybridMatch.host_entries`, `host_num_tokens`), and
+`SequenceTable.add` promotes the host entries of every group it reuses in one swap. Not
+here yet: the disk tier (refused at construction).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence
 
 from ..cache.hybrid_cache import HybridKvCache
@@ -43,7 +47,10 @@ from ..core.validate import int64_bytes_of_ids, token_ids
 from ..errors import KvCacheError
 from ..groups.window import window_blocks_for_match
 from .block_keys import BlockKeys, block_keys, salted_root_hash
+from ..core.streams import stream_handle
+from ..tiers.hybrid_host_tier import check_tier_of
 from .events import EventQueue
+from .hybrid_tiering import HybridTiering
 from .hashing import chain_digest, root_hash
 from .tree import adapter_id_checked
 from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, block_digest, resolve_seed
@@ -114,7 +121,14 @@ class HybridMatch(NamedTuple):
     `checkpoints[g]` (a state group's checkpoint slot at p; None for attention groups). The
     caller holds one reference on every block and slot listed (`release` drops them).
     `blocks` is `group_blocks[0]`. `shared_tokens`: how far (a multiple of the match unit,
-    at most `limit`) the tokens follow a chain of the cache, hit or not (>= num_tokens)."""
+    at most `limit`) the tokens follow a chain of the cache, hit or not (>= num_tokens).
+
+    With a host tier, an entry held on the host counts as present: its place in
+    `group_blocks[g]` (or `checkpoints[g]`) is -1 and `host_entries[g]` lists `(index,
+    host id)` for it (index 0 for a state group's checkpoint); the match pins it on the
+    host (not dropped) until `release` or `SequenceTable.add`, which promotes it.
+    `host_num_tokens`: how many of `num_tokens` only the host entries make a hit (p minus
+    the longest hit the device entries alone give)."""
 
     blocks: list
     num_tokens: int
@@ -122,15 +136,18 @@ class HybridMatch(NamedTuple):
     checkpoints: tuple
     first_block: tuple
     shared_tokens: int = 0
+    host_entries: tuple = ()
+    host_num_tokens: int = 0
 
 
 class _Node:
-    __slots__ = ("parent", "key", "depth", "children", "entries", "hash", "adapter_id", "extra", "digests")
+    __slots__ = ("parent", "key", "depth", "children", "entries", "lower", "hash", "adapter_id", "extra", "digests")
 
     def __init__(self, parent, key: bytes, depth: int, hash_: int, adapter_id: int, extra: tuple = ()):
         self.parent, self.key, self.depth, self.hash, self.adapter_id = parent, key, depth, hash_, adapter_id
         self.children: dict[bytes, _Node] = {}
         self.entries: dict[int, int] = {}
+        self.lower: dict[int, int] = {}  # group -> host id of an entry held on the host tier
         # the unit's extra keys (a root: its salt as given, or ()); vLLM digests per block size
         self.extra = extra
         self.digests: dict[int, bytes] | None = None
@@ -160,13 +177,22 @@ class _GroupReclaimer:
 
 class HybridPrefixCache:
     """A prefix cache over one `HybridKvCache` (see the module docstring). `PrefixCache(cache)`
-    builds one for a hybrid cache; `host_tier` and `disk_tier` are refused there."""
+    builds one for a hybrid cache (`host_tier`: a `HybridHostTier` of the cache; `disk_tier`
+    is refused there)."""
 
     def __init__(self, cache: HybridKvCache, on_event: Callable | None = None, hash_scheme: str = DEFAULT_SCHEME,
-                 hash_seed: str | None = None):
-        """`hash_scheme` and `hash_seed` as `PrefixCache`'s (see the module docstring)."""
+                 hash_seed: str | None = None, host_tier=None, swap_stream: object = 0):
+        """`hash_scheme` and `hash_seed` as `PrefixCache`'s (see the module docstring).
+        `host_tier`: a `HybridHostTier` of `cache` to demote evicted entries into;
+        `swap_stream`: the stream demotions are enqueued on."""
         if not isinstance(cache, HybridKvCache):
             raise TypeError(f"cache must be a HybridKvCache, got {type(cache).__name__}")
+        if host_tier is not None:
+            check_tier_of(host_tier, cache)
+            stream_handle(swap_stream)
+            check = getattr(host_tier.group(0).gpu(), "check_stream", None)
+            if check is not None:
+                check(swap_stream)
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event must be callable, got {on_event!r}")
         if hash_scheme not in SCHEMES:
@@ -203,6 +229,12 @@ class HybridPrefixCache:
         # a second thread's call raises ConcurrentUseError (as PagedKvCache's do under PrefixCache)
         cache._take_guard(self._guard, self._events.pending, self.deliver_events)
         self.hits = self.queries = self.hit_tokens = self.query_tokens = 0
+        self.host_hits = self.host_hit_tokens = 0
+        self._tiering: HybridTiering | None = None
+        if host_tier is not None:
+            self._tiering = HybridTiering(self, host_tier, swap_stream)
+            for g in range(len(self._groups)):  # its cached host ids are freed from within this cache only
+                host_tier.group(g).attach_owner(self._guard)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -214,8 +246,22 @@ class HybridPrefixCache:
         return self._cache
 
     def host_tier(self):
-        """None: hybrid caches have no host tier yet."""
-        return None
+        """The `HybridHostTier` evicted entries are demoted to (None without one)."""
+        return self._tiering.tier if self._tiering is not None else None
+
+    def num_host_entries(self, group: int) -> int:
+        """Entries of `group` held on the host tier (0 without one)."""
+        g = self._layout.check_group(group)
+        return len(self._tiering.by_host[g]) if self._tiering is not None else 0
+
+    def tier_counts(self) -> dict[str, int]:
+        """Moves between the tiers since construction: `demotions`, `promotions` and
+        `host_drops` (entries), `host_hits` (matches a host entry made or lengthened) and
+        `host_hit_tokens` (their `host_num_tokens`)."""
+        t = self._tiering
+        moves = (t.demotions, t.promotions, t.host_drops) if t is not None else (0, 0, 0)
+        return dict(zip(("demotions", "promotions", "host_drops"), moves), host_hits=self.host_hits,
+                    host_hit_tokens=self.host_hit_tokens)
 
     def unit(self) -> int:
         """Tokens per trie node (the smallest attention block size)."""
@@ -343,8 +389,9 @@ class HybridPrefixCache:
             path.append(node)
         return path
 
-    def _best(self, path: list[_Node], limit: int) -> int:
-        """The longest p the match rule allows along `path`, at most `limit` (0 when none)."""
+    def _best(self, path: list[_Node], limit: int, host: bool = True) -> int:
+        """The longest p the match rule allows along `path`, at most `limit` (0 when none);
+        an entry on the host counts as present when `host`."""
         u, L = self._unit, self._match_unit
         depth = len(path)
         full_until, missing = {}, {}
@@ -352,7 +399,7 @@ class HybridPrefixCache:
             if not group.is_attention():
                 continue
             r = self._ratio[g]
-            present = [path[(i + 1) * r - 1].entries.get(g) is not None for i in range(depth // r)]
+            present = [self._present(path[(i + 1) * r - 1], g, host) for i in range(depth // r)]
             if group.kind == "full":
                 run = 0
                 while run < len(present) and present[run]:
@@ -373,50 +420,95 @@ class HybridPrefixCache:
                     if acc[span.stop] - acc[span.start]:
                         ok = False
                         break
-            if ok and all(g in path[k - 1].entries for g in self._states):
+            if ok and all(self._present(path[k - 1], g, host) for g in self._states):
                 return best
             best -= L
         return 0
 
+    @staticmethod
+    def _present(node: _Node, g: int, host: bool) -> bool:
+        return g in node.entries or (host and g in node.lower)
+
     @guarded
     def match(self, tokens: Sequence[int], adapter_id: int = 0, limit: int | None = None,
-              cache_salt: str | bytes | None = None, extra_keys=None, *, keys: BlockKeys | None = None) -> HybridMatch:
+              cache_salt: str | bytes | None = None, extra_keys=None, *, keys: BlockKeys | None = None,
+              refresh_host: bool = True) -> HybridMatch:
         """The longest hybrid prefix of `tokens` (ending at most at `limit`, default all of
         them) under the match rule, with one reference taken on each block and checkpoint
         it lists (give them back with `release`, or hand the match to `SequenceTable.add`).
         `cache_salt` and `extra_keys` as for `PrefixCache.match` (`keys`: them already
-        checked, a `BlockKeys` at the unit, as the table passes them)."""
+        checked, a `BlockKeys` at the unit, as the table passes them). Host entries it lists
+        are pinned, and their recency refreshed unless `refresh_host` is False (the table's
+        add, which promotes them or leaves the host tier as it was)."""
         self._check_open("match")
         tokens = token_ids(tokens, "tokens")
         adapter_id = adapter_id_checked(adapter_id)
         keys = self._keys(adapter_id, cache_salt, extra_keys, keys)
+        self._check_tier()
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
         path = self._path(tokens, limit, adapter_id, keys)
         p = self._best(path, limit)
+        host_tokens = p - self._best(path, p, host=False) if p and self._tiering is not None else 0
         self.queries += 1
         self.query_tokens += len(tokens)
         if p:
             self.hits += 1
             self.hit_tokens += p
-        group_blocks, checkpoints, first = [], [], []
+        if host_tokens:
+            self.host_hits += 1
+            self.host_hit_tokens += host_tokens
+        group_blocks, checkpoints, first, hosted = [], [], [], []
         for g, group in enumerate(self._groups):
             if not group.is_attention():
                 group_blocks.append([])
                 first.append(0)
-                slot = path[p // self._unit - 1].entries[g] if p else None
-                checkpoints.append(slot)
-                if slot is not None:
-                    self._take(g, [slot])
-                continue
-            checkpoints.append(None)
-            bs, r = self._layout.block_size(g), self._ratio[g]
-            span = range(0, p // bs) if group.kind == "full" else window_blocks_for_match(p, group.window, bs)
-            blocks = [path[(i + 1) * r - 1].entries[g] for i in span]
-            self._take(g, blocks)
-            group_blocks.append(blocks)
-            first.append(span.start if p else 0)
+                nodes = [path[p // self._unit - 1]] if p else []
+            else:
+                bs, r = self._layout.block_size(g), self._ratio[g]
+                span = range(0, p // bs) if group.kind == "full" else window_blocks_for_match(p, group.window, bs)
+                nodes = [path[(i + 1) * r - 1] for i in span]
+                first.append(span.start if p else 0)
+            ids = [node.entries.get(g, -1) for node in nodes]
+            pairs = tuple((i, node.lower[g]) for i, node in enumerate(nodes) if ids[i] == -1)
+            self._take(g, [x for x in ids if x != -1])
+            self._hold(g, pairs, refresh_host)
+            hosted.append(pairs)
+            if group.is_attention():
+                checkpoints.append(None)
+                group_blocks.append(ids)
+            else:
+                checkpoints.append(ids[0] if ids else None)
         shared = max(p, (len(path) * self._unit // self._match_unit) * self._match_unit)
-        return HybridMatch(group_blocks[0], p, tuple(group_blocks), tuple(checkpoints), tuple(first), shared)
+        return HybridMatch(group_blocks[0], p, tuple(group_blocks), tuple(checkpoints), tuple(first), shared,
+                           tuple(hosted), host_tokens)
+
+    def _hold(self, g: int, pairs: tuple, refresh: bool) -> None:
+        """Pin a match's host entries of group g and (`refresh`) refresh their recency (the
+        shallowest most recent)."""
+        if pairs:
+            tiering = self._tiering
+            for _, host in pairs:
+                tiering.pin(g, host)
+            if refresh:
+                tiering.tier.group(g).touch([host for _, host in reversed(pairs)])
+
+    @guarded
+    def promote(self, found: HybridMatch, stream: object, wait: bool) -> HybridMatch:
+        """`found` with every group's host entries promoted to fresh device ids in ONE swap
+        on `stream` (see `hybrid_tiering.HybridTiering.promote`); `found` itself when it has
+        none. Nothing changes when it fails. Called by `SequenceTable.add` inside its guard."""
+        if self._tiering is None or not any(found.host_entries):
+            return found
+        self._check_open("promote")
+        return self._tiering.promote(found, stream, wait)
+
+    def _check_tier(self) -> None:
+        """A released host tier: forget its entries, go on device-only (as `PrefixCache` does)."""
+        if self._tiering is not None and not self._tiering.live():
+            self._tiering.forget_released()
+            for g in range(len(self._groups)):
+                self._tiering.tier.group(g).detach_owner(self._guard)
+            self._tiering = None
 
     def _take(self, g: int, entries: list[int]) -> None:
         if entries:
@@ -426,13 +518,18 @@ class HybridPrefixCache:
 
     @guarded
     def release(self, found: HybridMatch) -> None:
-        """Drop the references a `match` took."""
+        """Drop the references (and host pins) a `match` took."""
         for g, blocks in enumerate(found.group_blocks):
-            if blocks:
-                self._allocator(g).free_blocks(blocks)
+            held = [b for b in blocks if b != -1]
+            if held:
+                self._allocator(g).free_blocks(held)
         for g, slot in enumerate(found.checkpoints):
-            if slot is not None:
+            if slot is not None and slot != -1:
                 self._allocator(g).free_blocks([slot])
+        if self._tiering is not None:
+            for g, pairs in enumerate(found.host_entries):
+                for _, host in pairs:
+                    self._tiering.unpin(g, host)
         self.deliver_events()
 
     # -- store --------------------------------------------------------------------------
@@ -456,6 +553,7 @@ class HybridPrefixCache:
         if deepest > len(tokens):
             raise ValueError(f"an entry ends at {deepest}, past the {len(tokens)} tokens given")
         u = self._unit
+        self._check_tier()
         data = int64_bytes_of_ids(list(tokens[: (deepest // u) * u]))
         node, path, step = self._root(adapter_id, keys), [], 8 * u
         for k in range(deepest // u):
@@ -477,6 +575,10 @@ class HybridPrefixCache:
                 target = path[pos // u - 1]
                 if g in target.entries or entry in self._where[g]:
                     continue
+                if g in target.lower:  # held on the host: the device copy takes its place
+                    if self._tiering.pinned(g, target.lower[g]):
+                        continue
+                    self._tiering.forget(g, [target.lower[g]])
                 self._allocator(g).inc_ref(entry)
                 target.entries[g] = entry
                 self._where[g][entry] = target
@@ -505,12 +607,28 @@ class HybridPrefixCache:
 
     # -- eviction -----------------------------------------------------------------------
 
+    def _removed_event(self, g: int, entry: int, node: _Node, medium: str = "GPU") -> GroupBlockRemoved:
+        """The event of group g's entry `entry` (a device or host id) on `node` leaving `medium`."""
+        return GroupBlockRemoved(g, entry, self._hash_at(g, node), medium=medium)
+
+    def _node_stored_event(self, g: int, entry: int, node: _Node, medium: str) -> GroupBlockStored:
+        """The stored event of group g's entry `entry` on `node`, now held in `medium`."""
+        path, n = [], node
+        while n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        data = b"".join(x.key[: 8 * self._unit] for x in path)
+        tokens = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+        event = self._stored_event(g, entry, node.depth * self._unit, path, tokens, node.adapter_id)
+        return replace(event, medium=medium)
+
     def _anchor(self, node: _Node) -> bool:
         """A position a hit may end at: with state groups, one with a checkpoint of each; without,
         a chain end (a leaf) or a branch point (where chains part, as after a shared system
         prompt); a chain another has since extended is no longer an end."""
         if self._states:
-            return all(s in node.entries for s in self._states)
+            return all(s in node.entries or s in node.lower for s in self._states)
         return len(node.children) != 1
 
     def _useful(self, g: int, node: _Node) -> bool:
@@ -527,14 +645,20 @@ class HybridPrefixCache:
         return False
 
     def _reclaim(self, g: int, n: int) -> bool:
+        self._check_tier()
         alloc = self._allocator(g)
         where, last = self._where[g], self._last[g]
         candidates = [e for e in where if alloc.ref_count(e) == 1]
         if len(candidates) < n:
             return False
         sliding = self._groups[g].kind == "sliding"
-        candidates.sort(key=lambda e: (sliding and self._useful(g, where[e]), last[e], -where[e].depth))
-        for entry in candidates[:n]:
+        useful = {e: sliding and self._useful(g, where[e]) for e in candidates} if sliding else {}
+        candidates.sort(key=lambda e: (useful.get(e, False), last[e], -where[e].depth))
+        victims = candidates[:n]
+        if self._tiering is not None:
+            self._tiering.demote(g, victims, {e for e in victims if sliding and not useful[e]})
+            return True
+        for entry in victims:
             self._drop(g, entry)
         return True
 
@@ -548,13 +672,15 @@ class HybridPrefixCache:
         self._prune(node)
 
     def _prune(self, node: _Node | None) -> None:
-        while node is not None and node.parent is not None and not node.entries and not node.children:
+        while (node is not None and node.parent is not None and not node.entries and not node.lower
+               and not node.children and node.parent.children.get(node.key) is node):
             del node.parent.children[node.key]
             node = node.parent
 
     @guarded
     def evict(self, group: int, n: int) -> int:
-        """Evict up to `n` entries of `group` that only the cache holds; returns how many."""
+        """Evict up to `n` entries of `group` that only the cache holds (demoted to the host
+        tier when there is one); returns how many."""
         self._check_open("evict")
         alloc = self._allocator(group)
         count = min(n, sum(1 for e in self._where[group] if alloc.ref_count(e) == 1))
@@ -570,6 +696,9 @@ class HybridPrefixCache:
         for g in range(len(self._groups)):
             for entry in list(self._where[g]):
                 self._drop(g, entry)
+        self._check_tier()
+        if self._tiering is not None:
+            self._tiering.forget_all()
         self.deliver_events()
 
     @guarded
@@ -580,6 +709,10 @@ class HybridPrefixCache:
         for g in range(len(self._groups)):
             for entry in list(self._where[g]):
                 self._drop(g, entry)
+        if self._tiering is not None:
+            self._tiering.forget_all() if self._tiering.live() else self._tiering.forget_released()
+            for g in range(len(self._groups)):
+                self._tiering.tier.group(g).detach_owner(self._guard)
         self._closed = True
         for g, rec in enumerate(self._reclaimers):
             self._allocator(g).detach_reclaimer(rec)
@@ -596,10 +729,17 @@ class HybridPrefixCache:
         return entry in self._where[self._layout.check_group(group)]
 
     def entries(self) -> list[tuple[int, tuple[int, ...], int, int]]:
-        """Every cached entry as `(adapter_id, tokens of [0, position), group, id)`: for tests
-        and brute-force references (O(entries * depth))."""
+        """Every cached entry on the device as `(adapter_id, tokens of [0, position), group,
+        id)`: for tests and brute-force references (O(entries * depth))."""
+        return self._listed(self._where)
+
+    def host_entries(self) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """Every entry held on the host tier, as `entries` lists them (with host ids)."""
+        return self._listed(self._tiering.by_host if self._tiering is not None else [])
+
+    def _listed(self, index) -> list[tuple[int, tuple[int, ...], int, int]]:
         out = []
-        for g, where in enumerate(self._where):
+        for g, where in enumerate(index):
             for entry, node in where.items():
                 keys, n = [], node
                 while n.parent is not None:
@@ -623,3 +763,5 @@ class HybridPrefixCache:
                     raise KvCacheError(f"group {g} entry {entry} is not on its node")
                 if alloc.ref_count(entry) < 1:
                     raise KvCacheError(f"group {g} cached entry {entry} has count 0")
+        if self._tiering is not None:
+            self._tiering.check()

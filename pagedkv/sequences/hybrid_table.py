@@ -120,6 +120,9 @@ class HybridSequenceTable(SequenceQueries):
                 raise TypeError(f"prefix_cache must be a PrefixCache of a hybrid cache, got {type(prefix_cache).__name__}")
             if prefix_cache.cache() is not cache:
                 raise ValueError("prefix_cache is attached to a different cache")
+            tier = prefix_cache.host_tier()
+            if tier is not None and gpu is not None and gpu is not tier.group(0).gpu():
+                raise ValueError("gpu is not the backend of the prefix cache's host tier")
         stream_handle(stream)
         layout = cache.layout()
         self._cache, self._layout, self._prefix = cache, layout, prefix_cache
@@ -235,7 +238,9 @@ class HybridSequenceTable(SequenceQueries):
     def add(self, seq_id: Hashable, prompt_tokens: Sequence[int], adapter_id: int = 0,
             cache_salt: str | bytes | None = None, extra_keys=None) -> int:
         """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
-        match: whole match units, never the last prompt token). Each attention group reuses
+        match: whole match units, never the last prompt token). With a host tier, the match's
+        host-held entries of every group are first promoted to fresh device ids in ONE swap on
+        the table's stream (nothing changes when that fails). Each attention group reuses
         its matched blocks (a sliding group only those its window still needs), each state
         group copies the matched checkpoint into the new live slot (zeroed without a hit) and
         is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
@@ -252,7 +257,14 @@ class HybridSequenceTable(SequenceQueries):
         prefix = self._prefix
         found = None
         if prefix is not None and n > 1:
-            found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys)
+            found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys, refresh_host=False)
+            if any(found.host_entries):  # every group's host entries back in one swap, before any use
+                try:
+                    found = prefix.promote(found, self._stream if self._gpu is not None else prefix._tiering.swap_stream,
+                                           wait=self._gpu is None)
+                except BaseException:
+                    prefix.release(found)
+                    raise
         p = found.num_tokens if found is not None else 0
         branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
         undo = _Undo(self._groups)

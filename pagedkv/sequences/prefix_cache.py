@@ -102,8 +102,9 @@ class PrefixCache(RetentionApi):
     `block_references` speak of the device tier, `num_host_blocks` of the host tier.
 
     Over a `HybridKvCache` it is a `HybridPrefixCache` (`pagedkv.sequences.hybrid_prefix`:
-    the cross-group match rule; `hash_scheme` / `hash_seed` taken as here); host and disk
-    tiers are refused there (KvCacheError)."""
+    the cross-group match rule; `hash_scheme` / `hash_seed` taken as here; `host_tier` a
+    `HybridHostTier`, see `pagedkv.sequences.hybrid_tiering`); a disk tier is refused there
+    (KvCacheError)."""
 
     def __new__(cls, cache=None, on_event=None, host_tier=None, swap_stream=0, disk_tier=None, **options):
         if cls is PrefixCache and isinstance(cache, HybridKvCache):
@@ -111,10 +112,10 @@ class PrefixCache(RetentionApi):
             others = sorted(set(options) - set(schemes))
             if others:
                 raise KvCacheError(f"a cache with layer_groups does not take {', '.join(others)} yet")
-            if host_tier is not None or disk_tier is not None:
-                raise KvCacheError("host and disk tiers do not support a cache with layer_groups yet: "
-                                   "build the hybrid PrefixCache without host_tier/disk_tier")
-            return HybridPrefixCache(cache, on_event, **schemes)
+            if disk_tier is not None:
+                raise KvCacheError("a disk tier does not support a cache with layer_groups yet: "
+                                   "build the hybrid PrefixCache without disk_tier")
+            return HybridPrefixCache(cache, on_event, host_tier=host_tier, swap_stream=swap_stream, **schemes)
         return super().__new__(cls)
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,

@@ -68,11 +68,20 @@ class HybridMachine(RuleBasedStateMachine):
         self.gpu = HostBackend()
         config = KvCacheConfig(BS, 1, 16, 3, "bf16", layer_groups=GROUPS)
         self.cache = PagedKvCache(config, [20, 12, None], self.gpu, num_state_slots=10)
-        self.prefix = PrefixCache(self.cache)
+        self.prefix = self._prefix_cache()
         self.table = SequenceTable(self.cache, self.prefix, self.gpu)
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
         self.skipped = 0
+
+    def _prefix_cache(self):
+        """The prefix cache under test (a variant gives it a host tier)."""
+        return PrefixCache(self.cache)
+
+    def _entries(self) -> dict:
+        """(tokens, group) -> id of every cached entry, on the device or (a variant) the host."""
+        both = self.prefix.entries() + self.prefix.host_entries()
+        return {(tokens, g): entry for _, tokens, g, entry in both}
 
     def _write_step(self, sid: int, old: int, prompt_ends: tuple = ()) -> None:
         """The engine's part of a step from `old` tokens: K/V of the step's positions, the
@@ -103,8 +112,11 @@ class HybridMachine(RuleBasedStateMachine):
 
     @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 12), extra=st.lists(st.integers(1, 3), max_size=3))
     def add(self, base, cut, extra):
-        prompt = BASES[base][:cut] + extra
-        entries = {(tokens, g): entry for _, tokens, g, entry in self.prefix.entries()}
+        self._add_prompt(BASES[base][:cut] + extra)
+
+    def _add_prompt(self, prompt: list[int]) -> None:
+        """Add `prompt` as a new sequence: its hit checked against the reference, then written."""
+        entries = self._entries()
         expected = reference_match(entries, prompt)
         sid = self.next_id
         self.next_id += 1
@@ -114,7 +126,8 @@ class HybridMachine(RuleBasedStateMachine):
             assert sid not in self.table
             return
         assert got == expected
-        assert self.table.blocks(sid, 0)[: got // BS] == [entries[(tuple(prompt[: (i + 1) * BS]), 0)] for i in range(got // BS)]
+        device = {(tokens, g): entry for _, tokens, g, entry in self.prefix.entries()}  # host hits promoted now
+        assert self.table.blocks(sid, 0)[: got // BS] == [device[(tuple(prompt[: (i + 1) * BS]), 0)] for i in range(got // BS)]
         (live,) = np.asarray(self.table.state_slots([sid])).tolist()
         np.testing.assert_array_equal(self.cache.read_state(2, live, self.gpu), state_of(tuple(prompt[:got])))
         self.tokens[sid] = prompt

@@ -35,8 +35,10 @@ def world(blocks=(32, 32, None), slots=None, gpu=True, **kw):
 def test_the_table_and_prefix_cache_of_a_hybrid_cache_are_the_hybrid_ones():
     _, cache, prefix, table, _ = world()
     assert isinstance(table, HybridSequenceTable) and isinstance(prefix, HybridPrefixCache)
-    with pytest.raises(KvCacheError, match="host and disk tiers do not support"):
+    with pytest.raises(TypeError, match="tier must be a HybridHostTier, got object"):
         PrefixCache(cache, host_tier=object())
+    with pytest.raises(KvCacheError, match="a disk tier does not support"):
+        PrefixCache(cache, disk_tier=object())
     with pytest.raises(KvCacheError, match="HostTier does not support a cache with layer_groups"):
         HostTier(cache, 4, HostBackend())
 
