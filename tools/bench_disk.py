@@ -4,7 +4,8 @@ run and directory, the restart time of a directory of 100k cached blocks, and pe
 format the compression ratio and encode/decode GB/s (HostTier(format=...) on HostBackend,
 the host codecs; on a GPU the same swaps run the KV row kernels), plus zstd on BF16.
 
-- ceiling: one file of the tier's bytes written sequentially in 1 MiB writes then fsynced,
+- ceiling: one file of as many distinct bytes as the tier's written sequentially in 1 MiB
+  writes then fsynced,
   and read back in 1 MiB reads after its pages were dropped from the page cache
   (posix_fadvise DONTNEED on that file only);
 - demote: host blocks written into disk slots through the tier's I/O thread (staging copy,
@@ -49,11 +50,13 @@ def _drop_pages(path: str) -> None:
 
 def _ceilings(directory: str, nbytes: int) -> tuple[float, float]:
     path = os.path.join(directory, "ceiling.bin")
-    chunk = np.random.default_rng(0).integers(0, 256, MIB, dtype=np.uint8).tobytes()
+    # distinct bytes, as the tier writes (one 1 MiB chunk written again and again is read from
+    # the CPU's caches, not memory: a ceiling no tier of nbytes of KV could reach)
+    data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for _ in range(nbytes // MIB):
-        os.write(fd, chunk)
+    for at in range(0, nbytes - nbytes % MIB, MIB):
+        os.write(fd, data[at : at + MIB])
     os.fsync(fd)
     os.close(fd)
     write = nbytes / (time.perf_counter() - start)
