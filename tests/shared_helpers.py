@@ -31,3 +31,44 @@ def from_other_thread(fn, timeout: float = 30.0):
     thread.join(timeout)
     assert not thread.is_alive(), "the call did not return"
     return out[0]
+
+
+HYBRID_STATE = (((4,), "float32"), ((2, 3), "float16"))
+"""The state tensors of the hybrid tier tests' state layer."""
+
+
+def hybrid_tier_config():
+    """Four layers: a full group (0, 3), a sliding group of 8 tokens (1), a state group (2,
+    checkpoints every 8 tokens); blocks of 4."""
+    from pagedkv import KvCacheConfig
+    from pagedkv.core.layer_groups import LayerGroup
+
+    return KvCacheConfig(4, 1, 16, 4, "bf16", layer_groups=(
+        LayerGroup("full", (0, 3)),
+        LayerGroup("sliding", (1,), window=8),
+        LayerGroup("state", (2,), state=HYBRID_STATE, checkpoint_every=8),
+    ))
+
+
+def counting_host():
+    """A HostBackend that counts its batched copies (`batches`) and fails them while `fail`."""
+    from pagedkv import HostBackend
+
+    class CountingHost(HostBackend):
+        batches = 0
+        fail = False
+
+        def copy_batch_async(self, *args, **kwargs):
+            if self.fail:
+                raise IndexError("copy_batch_async entry 0: planted failure")
+            self.batches += 1
+            return super().copy_batch_async(*args, **kwargs)
+
+    return CountingHost()
+
+
+def hits(prefix, cache, tokens, **kw) -> int:
+    """The tokens `prefix.match(tokens, **kw)` hits, its references given back."""
+    found = prefix.match(tokens, **kw)
+    cache.free_blocks(found.blocks)
+    return found.num_tokens

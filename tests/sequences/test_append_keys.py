@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_helpers import hits
 from test_vllm_hash import ref_chain
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
@@ -28,10 +29,6 @@ def world():
     cache.release(gpu)
 
 
-def hits(prefix, cache, tokens, **kw):
-    found = prefix.match(tokens, **kw)
-    cache.free_blocks(found.blocks)
-    return found.num_tokens
 
 
 def test_keys_given_with_appended_tokens_key_the_blocks_they_complete(world):

@@ -4,6 +4,7 @@ through `PrefixCache.match` / `insert` and `SequenceTable.add` / `cache_prefix`.
 from __future__ import annotations
 
 import pytest
+from shared_helpers import hits
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.sequences.hashing import root_hash
@@ -27,10 +28,6 @@ def world():
     cache.release(gpu)
 
 
-def hits(prefix, cache, tokens, **kw):
-    found = prefix.match(tokens, **kw)
-    cache.free_blocks(found.blocks)
-    return found.num_tokens
 
 
 def test_a_salt_is_a_namespace(world):

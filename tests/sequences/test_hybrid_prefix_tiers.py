@@ -8,39 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_helpers import HYBRID_STATE, counting_host, hybrid_tier_config
 
-from pagedkv import HostBackend, HybridHostTier, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
-from pagedkv.core.layer_groups import LayerGroup
+from pagedkv import HostBackend, HybridHostTier, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.sequences.hybrid_prefix import GroupBlockRemoved, GroupBlockStored
 
-STATE = (((4,), "float32"), ((2, 3), "float16"))
+STATE = HYBRID_STATE
 PROMPT = list(range(100, 117))  # 17 tokens: full blocks 0..3, sliding blocks 2..3, checkpoints at 8 and 16
 
-
-def config():
-    return KvCacheConfig(4, 1, 16, 4, "bf16", layer_groups=(
-        LayerGroup("full", (0, 3)),
-        LayerGroup("sliding", (1,), window=8),
-        LayerGroup("state", (2,), state=STATE, checkpoint_every=8),
-    ))
-
-
-class CountingHost(HostBackend):
-    """A HostBackend that counts its batched copies (and fails them when told)."""
-
-    batches = 0
-    fail = False
-
-    def copy_batch_async(self, *args, **kwargs):
-        if self.fail:
-            raise IndexError("copy_batch_async entry 0: planted failure")
-        self.batches += 1
-        return super().copy_batch_async(*args, **kwargs)
+config = hybrid_tier_config
 
 
 class World:
     def __init__(self, host=(12, 12, 8), blocks=(16, 16, None), slots=8):
-        self.gpu = CountingHost()
+        self.gpu = counting_host()
         self.cache = PagedKvCache(config(), list(blocks), self.gpu, num_state_slots=slots)
         self.tier = HybridHostTier(self.cache, [host[0], host[1], None], self.gpu, num_state_slots=host[2])
         self.events: list = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_helpers import HYBRID_STATE, counting_host, hybrid_tier_config
 
 from pagedkv import (HostBackend, HostTier, HybridHostTier, KvCacheConfig, KvCacheError, KvCacheExhausted,
                      PagedKvCache, PrefixCache, SequenceTable)
@@ -13,29 +14,13 @@ from pagedkv.core.layer_groups import LayerGroup
 from pagedkv.sequences.hybrid_swap import ParkedSequence
 from kernel_harness.stub import run_on_stub
 
-STATE = (((4,), "float32"), ((2, 3), "float16"))
+STATE = HYBRID_STATE
 
-
-def config():
-    return KvCacheConfig(4, 1, 16, 4, "bf16", layer_groups=(
-        LayerGroup("full", (0, 3)),
-        LayerGroup("sliding", (1,), window=8),
-        LayerGroup("state", (2,), state=STATE, checkpoint_every=8),
-    ))
-
-
-class CountingHost(HostBackend):
-    """A HostBackend that counts its batched copies."""
-
-    batches = 0
-
-    def copy_batch_async(self, *args, **kwargs):
-        self.batches += 1
-        return super().copy_batch_async(*args, **kwargs)
+config = hybrid_tier_config
 
 
 def world(blocks=(16, 16, None), slots=8, host=(12, 12, 8), prefix=True):
-    gpu = CountingHost()
+    gpu = counting_host()
     cache = PagedKvCache(config(), list(blocks), gpu, num_state_slots=slots)
     pc = PrefixCache(cache) if prefix else None
     table = SequenceTable(cache, pc, gpu)
