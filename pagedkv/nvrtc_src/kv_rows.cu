@@ -660,7 +660,8 @@ struct UnitIn {
 
 // Grouped formats without rotation: a group a lane (kind KIND as encode_group_bits).
 // `sets`: whole sets of 8 groups a row and 8-byte aligned rows, so the 8 lanes of a set (one
-// row) move 8-byte words. group_load issues the unit's global loads; group_unit the rest.
+// row) move 8-byte words. group_load issues the unit's global loads; group_unit the rest (FUSED:
+// group_unit loads the unit itself, the rows of a write where it uses them, as a batch of 1 does).
 template <int KIND>
 __device__ __forceinline__ int group_data_bits(const KvSide& S) {
     return GROUP * (KIND == FMT_TURBO8 ? 8 : (KIND == FMT_NVFP4 ? 4 : book_of(S.fmt).bits));
@@ -704,9 +705,9 @@ __device__ __forceinline__ void group_load(const KvSide& S, const SideGeometry& 
     if (sets && sub < SF / 8) in.sword = *(const u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub);
 }
 
-template <int KIND, bool WRITE>
-__device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g, int tokens, int block_size,
-                                          i64 limit, i64 u, bool rows_vec, bool sets, UnitIn<GROUP>& in) {
+template <int KIND, bool WRITE, bool FUSED>
+__device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
+                                          int block_size, i64 limit, i64 u, bool rows_vec, bool sets, UnitIn<GROUP>& in) {
     const int F = group_data_bits<KIND>(S);  // data bits a group
     constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
     const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
@@ -714,7 +715,7 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
     const bool in_range = item < (i64)tokens * groups;
     const int token = in_range ? (int)(item / groups) : 0;
     const i64 gi = in_range ? item - (i64)token * groups : 0;
-    const i64 slot = in.slot;
+    const i64 slot = FUSED ? (in_range ? slots[token] : -1) : in.slot;
     const bool valid = in_range && slot >= 0 && slot < limit;
     const i64 e = (i64)token * S.row_stride + GROUP * gi;
     const int sub = (int)(lane_id() & 7u);  // lane in its set of 8 (one row when `sets`)
@@ -726,6 +727,7 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
         u32 bad = 0, sb = 0;
         d[0] = d[1] = 0;
         if (valid) {
+            if (FUSED) load_elems<GROUP>(S.rows, S.bf16, e, rows_vec, GROUP, x);
 #pragma unroll
             for (int k = 0; k < GROUP; k++) bad += is_nonfinite(x[k]);
             sb = encode_group_bits<KIND>(S.fmt, x, d);
@@ -756,6 +758,7 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
         if (valid && sub < SF / 8) *(u64*)(at.scales + (gi - sub) * (SF / 8) + 8 * sub) = sword;
         return bad;
     }
+    if (FUSED) group_load<KIND, WRITE>(S, g, slots, tokens, block_size, limit, u, rows_vec, sets, in);
     u32 sb = (u32)in.sword;
     d[0] = in.d[0];
     d[1] = in.d[1];
@@ -776,7 +779,8 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
 
 // Rotated turbo formats (KIND: FMT_TURBO8, or FMT_TURBO4 for every codebook format): unit u
 // is (token, head); lane L holds elements [E * L, E * L + E). head_load issues the unit's
-// global loads (the rows of a write; the data and scale words of a read), head_unit the rest.
+// global loads (the rows of a write; the data and scale words of a read), head_unit the rest
+// (FUSED: head_unit loads the unit itself, the rows of a write where it uses them, as a batch of 1 does).
 template <int KIND, int E, bool WRITE>
 __device__ __forceinline__ void head_load(const KvSide& S, const SideGeometry& g, const i64* slots, int block_size,
                                           i64 limit, i64 u, bool rows_vec, bool words_vec, UnitIn<E>& in) {
@@ -816,9 +820,9 @@ __device__ __forceinline__ void head_load(const KvSide& S, const SideGeometry& g
     if (lane < SCALE_BYTES / 8) in.sword = load_word(scales + 8 * lane, 8, words_vec);
 }
 
-template <int KIND, int E, bool WRITE>
-__device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g, int block_size, i64 limit, i64 u,
-                                         bool rows_vec, bool words_vec, UnitIn<E>& in) {
+template <int KIND, int E, bool WRITE, bool FUSED>
+__device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int block_size,
+                                         i64 limit, i64 u, bool rows_vec, bool words_vec, UnitIn<E>& in) {
     constexpr int P = GROUP / E;                                  // lanes a group
     constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
     constexpr int SCALE_BYTES = (32 / P) * SF / 8;                // a head's scale bytes
@@ -829,7 +833,7 @@ __device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g,
     const int data_bytes = 4 * F;                                 // a head's: 32 lanes x F bits
     const int lane = (int)lane_id();
     const int token = (int)(u / S.heads), h = (int)(u - (i64)token * S.heads);
-    const i64 slot = in.slot;
+    const i64 slot = FUSED ? slots[token] : in.slot;
     const bool valid = slot >= 0 && slot < limit;  // uniform over the warp: one head of one token
     const i64 e = (i64)token * S.row_stride + (i64)h * S.head_dim + E * lane;
     SlotRows at = {nullptr, nullptr};
@@ -839,6 +843,7 @@ __device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g,
     float (&x)[E] = in.x;
     if (WRITE) {
         if (!valid) return 0;
+        if (FUSED) load_elems<E>(S.rows, S.bf16, e, rows_vec, E, x);
         u32 bad = 0;
 #pragma unroll
         for (int j = 0; j < E; j++) bad += is_nonfinite(x[j]);
@@ -911,6 +916,7 @@ __device__ __forceinline__ u32 head_unit(const KvSide& S, const SideGeometry& g,
         return bad;
     }
     if (valid) {
+        if (FUSED) head_load<KIND, E, WRITE>(S, g, slots, block_size, limit, u, rows_vec, words_vec, in);
         u64 d[2] = {in.d[0], in.d[1]};
         if (F < 64) d[0] = scatter_field<32>(in.d[0], F, lane, data_bytes / 8);
         const u32 sb = (u32)scatter_field<32>(in.sword, SF, lane / P, SCALE_BYTES / 8);
@@ -974,7 +980,9 @@ __device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
 // BATCH: units a warp of the group / head paths takes at once (its units l, l + stride, ...):
 // all their loads are issued before the first is computed, so a lane has the batch's bytes
 // in flight; then one unit at a time, the batch shifted down after each (constant indices:
-// registers). The every-format kernels take 1; the one-path kernels more.
+// registers). The every-format kernels take 1; the one-path kernels more. A batch of 1 is the
+// plain loop, each unit loading its rows after its slot check (FUSED): the every-format kernels
+// then need the registers of the plain paths (168 on sm_90), not those of a load phase.
 template <int FMT, bool WRITE, int GROUP_BATCH>
 __device__ __noinline__ u32 group_loop(PKV_SIDE_PARAMS) {
     const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
@@ -985,15 +993,15 @@ __device__ __noinline__ u32 group_loop(PKV_SIDE_PARAMS) {
         UnitIn<GROUP> in[GROUP_BATCH];
 #pragma unroll
         for (int b = 0; b < GROUP_BATCH; b++)
-            if (l + b * stride < count)
+            if (GROUP_BATCH > 1 && l + b * stride < count)
                 group_load<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l + b * stride, f.rows_vec, sets, in[b]);
         if constexpr (GROUP_BATCH == 1) {
-            const int b = 0;
-            bad += group_unit<FMT, WRITE>(S, f.g, tokens, block_size, limit, l + b * stride, f.rows_vec, sets, in[0]);
+            bad += group_unit<FMT, WRITE, true>(S, f.g, slots, tokens, block_size, limit, l, f.rows_vec, sets, in[0]);
         } else {
 #pragma unroll 1
             for (int b = 0; b < GROUP_BATCH && l + b * stride < count; b++) {
-                bad += group_unit<FMT, WRITE>(S, f.g, tokens, block_size, limit, l + b * stride, f.rows_vec, sets, in[0]);
+                bad += group_unit<FMT, WRITE, false>(S, f.g, slots, tokens, block_size, limit, l + b * stride, f.rows_vec, sets,
+                                                     in[0]);
 #pragma unroll
                 for (int c = 0; c + 1 < GROUP_BATCH; c++) in[c] = in[c + 1];
             }
@@ -1011,15 +1019,15 @@ __device__ __noinline__ u32 head_loop(PKV_SIDE_PARAMS) {
         UnitIn<E> in[B];
 #pragma unroll
         for (int b = 0; b < B; b++)
-            if (l + b * stride < count)
+            if (B > 1 && l + b * stride < count)
                 head_load<FMT, E, WRITE>(S, f.g, slots, block_size, limit, l + b * stride, f.rows_vec, f.words_vec, in[b]);
         if constexpr (B == 1) {
-            const int b = 0;
-            bad += head_unit<FMT, E, WRITE>(S, f.g, block_size, limit, l + b * stride, f.rows_vec, f.words_vec, in[0]);
+            bad += head_unit<FMT, E, WRITE, true>(S, f.g, slots, block_size, limit, l, f.rows_vec, f.words_vec, in[0]);
         } else {
 #pragma unroll 1
             for (int b = 0; b < B && l + b * stride < count; b++) {
-                bad += head_unit<FMT, E, WRITE>(S, f.g, block_size, limit, l + b * stride, f.rows_vec, f.words_vec, in[0]);
+                bad += head_unit<FMT, E, WRITE, false>(S, f.g, slots, block_size, limit, l + b * stride, f.rows_vec,
+                                                       f.words_vec, in[0]);
 #pragma unroll
                 for (int c = 0; c + 1 < B; c++) in[c] = in[c + 1];
             }

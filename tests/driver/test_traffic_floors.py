@@ -14,7 +14,7 @@ import pickle
 
 import pytest
 
-from kernel_harness import shared_cache, traffic
+from kernel_harness import ptxas, shared_cache, traffic
 from kernel_harness.build import build_kernel_libraries
 from kernel_harness.stub import with_libraries
 
@@ -81,3 +81,14 @@ def test_hot_kernel_meets_the_floors(report, workload, kernel, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason=MISSING[(workload, kernel)]))
     run = report.run(workload, kernel)
     assert run.floor_misses() == []
+
+
+@pytest.mark.parametrize("kernel", ["pagedkv_kv_write", "pagedkv_kv_read"])
+def test_every_format_row_kernels_keep_three_ctas_an_sm(kernel):
+    """The every-format row kernels (mixed-kind layers, rotated turbo at head_dim 256 / 512,
+    unrotated turbo: no workload of the model above) take a batch of 1, which must cost no
+    more registers than the plain paths: 3 CTAs of 128 threads an SM on sm_90 (<= 168
+    registers), no stack frame, no spills."""
+    facts = ptxas.ptxas_facts(traffic.KERNEL_DIR / "kv_rows.cu", "sm_90")[kernel]
+    assert (facts.stack_frame, facts.spill_stores, facts.spill_loads) == (0, 0, 0)
+    assert facts.registers <= 168 and ptxas.occupancy(facts, 128) == 3
