@@ -29,8 +29,8 @@ from ..cache.hybrid_cache import HybridKvCache
 from ..core.log import get_logger
 from ..errors import KvCacheError
 from . import transfer_metadata
-from .transfer import DEFAULT_MAX_PEERS, KvTransfer, TransferHandle
-from .transfer_errors import TransferTimeout, UnknownPeer
+from .transfer import DEFAULT_MAX_PEERS, KvTransfer, TransferHandle, poll_notifications
+from .transfer_errors import UnknownPeer
 from .transfer_metadata import BadPeerMetadata
 
 _log = get_logger("transfer")
@@ -273,18 +273,9 @@ class HybridKvTransfer:
         return out
 
     def wait_notifications(self, timeout: float) -> list[tuple[str, bytes]]:
-        """`notifications()` once at least one is complete; TransferTimeout past `timeout` s."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
-        deadline, pause = time.monotonic() + timeout, 1e-5
-        while True:
-            got = self.notifications()
-            if got:
-                return got
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"{self.name!r}: no complete notification arrived within {timeout} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        """`notifications()` once at least one is complete; TransferTimeout past `timeout`
+        seconds (a finite number >= 0: ValueError for NaN or an infinity)."""
+        return poll_notifications(self.notifications, timeout, f"{self.name!r}: no complete notification")
 
     # -- lifetime -------------------------------------------------------------------------
 

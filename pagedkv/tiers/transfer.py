@@ -141,6 +141,22 @@ class _Peer:
     info: dict
 
 
+def poll_notifications(fetch: Callable[[], list], timeout: object, what: str) -> list:
+    """`fetch()` polled (backing off from 10 us to 1 ms) until it returns a non-empty list;
+    TransferTimeout "`what` arrived within `timeout` s" past `timeout` seconds (a finite
+    number >= 0: ValueError for NaN, an infinity or a bool)."""
+    timeout = seconds(timeout, "timeout")
+    deadline, pause = time.monotonic() + timeout, 1e-5
+    while True:
+        got = fetch()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{what} arrived within {timeout} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class TransferHandle:
     """One `send` in flight. `wait(timeout)` blocks until its bytes are written at the peer;
     `done()` polls. Once complete (or failed) the NIXL request is released."""
@@ -660,17 +676,7 @@ class KvTransfer(PullMode, GrantMode):
         """`notifications()` once at least one has arrived; TransferTimeout naming the
         timeout when none arrives within `timeout` seconds (a finite number >= 0: ValueError
         for NaN or an infinity)."""
-        timeout = seconds(timeout, "timeout")
-        deadline = time.monotonic() + timeout
-        pause = 1e-5
-        while True:
-            got = self.notifications()
-            if got:
-                return got
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"{self.name!r}: no notification arrived within {timeout} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        return poll_notifications(self.notifications, timeout, f"{self.name!r}: no notification")
 
     # -- lifetime ---------------------------------------------------------------------
 

@@ -162,6 +162,9 @@ def test_a_hostile_hybrid_header_is_a_bad_peer_metadata_naming_it():
             with pytest.raises(BadPeerMetadata, match=message):
                 t.connect(bad)
         assert t.peers() == [] and all(t.group(g).peers() == [] for g in range(3))
+        for bad in (float("nan"), float("inf"), -1, True):  # NaN waited forever before
+            with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+                t.wait_notifications(bad)
     cache.release(gpu)
 
 
