@@ -96,16 +96,9 @@ class StateGroup:
         if self._holders:
             raise KvCacheError(f"release of state group {self.index} while {', '.join(self._holders.values())} "
                                "still uses its pools: close it first (nothing was released)")
-        from ..interop.dlpack import live_exports_of
+        from ..interop.views import live_exports_from
 
-        pools = self._pools
-
-        def of_these_pools(owner: object) -> bool:  # the owner is the view, or (memory, view) on a host backend
-            view = owner[1] if type(owner) is tuple and len(owner) == 2 else owner
-            test = getattr(view, "exported_from", None)
-            return test is not None and test(pools)
-
-        exported = live_exports_of(of_these_pools)
+        exported = live_exports_from(self._pools)
         if exported:
             raise KvCacheError(f"release of state group {self.index} while {exported} DLPack export(s) of its "
                                "state views are alive (a consumer's tensor would write into freed memory): drop "

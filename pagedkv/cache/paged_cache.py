@@ -376,9 +376,9 @@ class PagedKvCache(CacheGeometry):
             raise KvCacheError(f"release of {self.label()} while {', '.join(self._holders.values())} still "
                                "uses its pools: close it first (nothing was released)")
         if not self._allocator.released():
-            from ..interop.dlpack import live_exports_of
+            from ..interop.views import live_exports_from
 
-            exported = live_exports_of(self._exported_here)
+            exported = live_exports_from(self)
             if exported:
                 raise KvCacheError(
                     f"release of {self.label()} while {exported} DLPack export(s) of its pools are alive (a "
@@ -595,12 +595,6 @@ class PagedKvCache(CacheGeometry):
         """`layer`'s V pool as a zero-copy DLPack tensor (the K view under `v_aliases_k`);
         kept like `k_view`."""
         return self._view(layer, "V", gpu, stream, readonly)
-
-    def _exported_here(self, owner: object) -> bool:
-        """True for an export owner that is (or holds) a view of this cache."""
-        view = owner[1] if type(owner) is tuple and len(owner) == 2 else owner
-        test = getattr(view, "exported_from", None)
-        return test is not None and test(self)
 
     def _view(self, layer, side: str, gpu, stream, readonly):
         """The kept view of (side, layer, gpu, stream, readonly), made on first use. Only

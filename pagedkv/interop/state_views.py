@@ -104,8 +104,4 @@ class StateView(_MemoryExport):
         return self._pools is pools
 
     def __repr__(self) -> str:
-        try:
-            what = f"{self.dtype}{list(self.shape)}"
-        except Exception:  # noqa: BLE001 - a repr never raises (the cache may be released)
-            what = "of a released cache"
-        return f"StateView(layer={self._layer_index}, tensor={self._tensor}, {what})"
+        return f"StateView(layer={self._layer_index}, tensor={self._tensor}, {self._what()})"

@@ -92,6 +92,20 @@ def _strided(memory: np.ndarray, layout: _Layout, writeable: bool) -> np.ndarray
     return np.lib.stride_tricks.as_strided(typed, shape=layout.shape, strides=layout.strides, writeable=writeable)
 
 
+def live_exports_from(target: Any) -> int:
+    """How many DLPack exports of views of `target` are alive in consumers: views whose
+    `exported_from(target)` is true (a PoolView's cache, a StateView's state pools). An
+    export's owner is the view, or `(host memory, view)` on a "host_view" backend."""
+    from .dlpack import live_exports_of
+
+    def of_target(owner: object) -> bool:
+        view = owner[1] if type(owner) is tuple and len(owner) == 2 else owner
+        test = getattr(view, "exported_from", None)
+        return test is not None and test(target)
+
+    return live_exports_of(of_target)
+
+
 class _MemoryExport(DlpackProducer):
     """What pool views and device table exports share: memory at `_address()` of `_extent()`
     bytes on `gpu`, produced on `stream`, laid out by `_layout()`."""
@@ -148,6 +162,14 @@ class _MemoryExport(DlpackProducer):
         require(self._gpu, "host_view", "host_array() (use DLPack, e.g. torch.from_dlpack, elsewhere)")
         layout = self._layout()
         return _strided(self._gpu.view(self._address(), self._extent()), layout, writeable=not self._readonly)
+
+    def _what(self) -> str:
+        """`dtype[shape]` for a repr, or "of a released cache" once the memory is gone (a
+        repr never raises)."""
+        try:
+            return f"{self.dtype}{list(self.shape)}"
+        except Exception:  # noqa: BLE001 - the cache may be released
+            return "of a released cache"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -339,11 +361,7 @@ class PoolView(_MemoryExport):
                        (stride, block_size * head_dim * size, head_dim * size, size))
 
     def __repr__(self) -> str:
-        try:
-            what = f"{self.dtype}{list(self.shape)}"
-        except Exception:  # noqa: BLE001 - a repr never raises (the cache may be released)
-            what = "of a released cache"
-        return f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, {what})"
+        return f"PoolView(layer={self._layer_index}, side={self._side}, part={self._part}, {self._what()})"
 
     def exported_from(self, cache: Any) -> bool:
         """True when this view is of `cache`'s pools."""
