@@ -169,10 +169,7 @@ class HybridKvTransfer:
             raise BadPeerMetadata(f"peer_metadata has a broken header: {err}") from None
         if type(head) is not dict:
             raise BadPeerMetadata(f"peer_metadata's header must be an object, got {type(head).__name__}")
-        name = head.get("name")
-        if type(name) is not str or not name or "\x00" in name or len(name) > transfer_metadata.MAX_NAME:
-            raise BadPeerMetadata(f"peer_metadata field name must be a non-empty str of at most "
-                                  f"{transfer_metadata.MAX_NAME} characters without NUL, got {name!r:.80}")
+        name = transfer_metadata.str_field(head.get("name"), "name")
         sizes = head.get("sizes")
         if (type(sizes) is not list or not 1 <= len(sizes) <= MAX_GROUPS
                 or any(type(n) is not int or n < 0 for n in sizes)):

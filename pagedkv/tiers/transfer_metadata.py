@@ -96,13 +96,16 @@ def json_depth(text: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def _int(value: object, what: str, low: int = 0) -> int:
+def int_field(value: object, what: str, low: int = 0) -> int:
+    """`value` when an int in [low, 2**63); BadPeerMetadata naming field `what` otherwise."""
     if type(value) is not int or not low <= value < _INT_LIMIT:
         raise BadPeerMetadata(f"peer_metadata field {what} must be an int in [{low}, 2**63), got {value!r:.80}")
     return value
 
 
-def _str(value: object, what: str, limit: int = MAX_NAME) -> str:
+def str_field(value: object, what: str, limit: int = MAX_NAME) -> str:
+    """`value` when a non-empty str of at most `limit` characters without NUL; BadPeerMetadata
+    naming field `what` otherwise."""
     if type(value) is not str or not value or len(value) > limit or "\x00" in value:
         raise BadPeerMetadata(
             f"peer_metadata field {what} must be a non-empty str of at most {limit} characters without NUL, "
@@ -121,7 +124,7 @@ MAX_STATE_ROWS = 1 << 14
 def _state_layout(layout: dict) -> dict:
     """The checks of a hybrid cache's state-group layout (`transfer_layout.state_layout_of`)."""
     for key in ("formats_version", "tp_rank", "tp_size"):
-        _int(layout.get(key), f"layout.{key}", 1 if key == "tp_size" else 0)
+        int_field(layout.get(key), f"layout.{key}", 1 if key == "tp_size" else 0)
     rows = layout.get("rows")
     if type(rows) is not list or not 1 <= len(rows) <= MAX_STATE_ROWS:
         raise BadPeerMetadata(f"peer_metadata field layout.rows must be a list of 1 to {MAX_STATE_ROWS} state rows, "
@@ -130,14 +133,14 @@ def _state_layout(layout: dict) -> dict:
         if type(row) is not dict:
             raise BadPeerMetadata(f"peer_metadata field layout.rows[{i}] must be an object, got {row!r:.40}")
         for key in ("layer", "tensor", "nbytes", "stride"):
-            _int(row.get(key), f"layout.rows[{i}].{key}", 1 if key in ("nbytes", "stride") else 0)
-        _str(row.get("dtype"), f"layout.rows[{i}].dtype", 64)
+            int_field(row.get(key), f"layout.rows[{i}].{key}", 1 if key in ("nbytes", "stride") else 0)
+        str_field(row.get("dtype"), f"layout.rows[{i}].dtype", 64)
         shape = row.get("shape")
         if type(shape) is not list or len(shape) > 8:
             raise BadPeerMetadata(f"peer_metadata field layout.rows[{i}].shape must be a list of at most 8 ints, "
                                   f"got {shape!r:.40}")
         for n in shape:
-            _int(n, f"layout.rows[{i}].shape", 1)
+            int_field(n, f"layout.rows[{i}].shape", 1)
     return layout
 
 
@@ -150,11 +153,11 @@ def _layout(layout: object) -> dict:
     if layout.get("kind") == "state":
         return _state_layout(layout)
     for key in _LAYOUT_INTS:
-        _int(layout.get(key), f"layout.{key}", 1 if key in ("block_size", "num_layers", "tp_size") else 0)
+        int_field(layout.get(key), f"layout.{key}", 1 if key in ("block_size", "num_layers", "tp_size") else 0)
     if type(layout.get("v_aliases_k")) is not bool:
         raise BadPeerMetadata(f"peer_metadata field layout.v_aliases_k must be a bool, got {layout.get('v_aliases_k')!r:.40}")
     if layout.get("window") is not None:
-        _int(layout.get("window"), "layout.window", 1)
+        int_field(layout.get("window"), "layout.window", 1)
     if layout.get("block_layout") not in ("NHD", "HND"):
         raise BadPeerMetadata(f"peer_metadata field layout.block_layout must be NHD or HND, got {layout.get('block_layout')!r:.40}")
     layers = layout.get("layers")
@@ -165,8 +168,8 @@ def _layout(layout: object) -> dict:
         if type(entry) is not dict:
             raise BadPeerMetadata(f"peer_metadata field layout.layers[{i}] must be an object, got {entry!r:.40}")
         for key in _LAYER_INTS:
-            _int(entry.get(key), f"layout.layers[{i}].{key}", 1 if key in ("global_heads", "head_dim") else 0)
-        _str(entry.get("dtype"), f"layout.layers[{i}].dtype", 64)
+            int_field(entry.get(key), f"layout.layers[{i}].{key}", 1 if key in ("global_heads", "head_dim") else 0)
+        str_field(entry.get("dtype"), f"layout.layers[{i}].dtype", 64)
         if type(entry.get("replicated")) is not bool:
             raise BadPeerMetadata(f"peer_metadata field layout.layers[{i}].replicated must be a bool")
     return layout
@@ -201,12 +204,12 @@ def parse(blob: object) -> tuple[dict, bytes]:
     fields = ("name", "num_blocks", "mem_type", "device_id", "layout", "pools", "leases", "nixl_bytes", "nixl_digest")
     if type(info) is not dict or any(k not in info for k in fields):
         raise BadPeerMetadata(f"peer_metadata lacks one of {', '.join(fields)}")
-    _str(info["name"], "name")
-    _int(info["num_blocks"], "num_blocks", 1)
+    str_field(info["name"], "name")
+    int_field(info["num_blocks"], "num_blocks", 1)
     if info["mem_type"] not in ("DRAM", "VRAM"):
         raise BadPeerMetadata(f"peer_metadata field mem_type must be DRAM or VRAM, got {info['mem_type']!r:.40}")
-    _int(info["device_id"], "device_id")
-    _int(info["leases"], "leases")
+    int_field(info["device_id"], "device_id")
+    int_field(info["leases"], "leases")
     layout = _layout(info["layout"])
     pools = info["pools"]
     most = len(layout["rows"]) if layout.get("kind") == "state" else 2 * layout["num_layers"]
@@ -217,9 +220,9 @@ def parse(blob: object) -> tuple[dict, bytes]:
         if type(pool) is not list or len(pool) != 4 or type(pool[1]) is not str:
             raise BadPeerMetadata(f"peer_metadata field pools[{i}] must be [layer, side, address, stride], got {pool!r:.60}")
         for j, what in ((0, "layer"), (2, "address"), (3, "stride")):
-            _int(pool[j], f"pools[{i}].{what}")
+            int_field(pool[j], f"pools[{i}].{what}")
     nixl = bytes(view[head + 8 + size :])
-    declared = _int(info["nixl_bytes"], "nixl_bytes")
+    declared = int_field(info["nixl_bytes"], "nixl_bytes")
     if declared > MAX_NIXL_BYTES:
         raise BadPeerMetadata(f"peer_metadata declares a {declared}-byte NIXL part, over the bound of {MAX_NIXL_BYTES}")
     if len(nixl) != declared:
