@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from floors import ceiling
-from timing import best_of
+from timing import alloc_free_pairs, best_of
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 
 ALLOC_CEILING = 1.2
@@ -77,13 +77,6 @@ def _caches(gpu, num_blocks: int):
 def _alloc_path(gpu, pairs: int, batches: int, repeats: int) -> None:
     plain, elastic = _caches(gpu, 1024)
 
-    def pair(cache):
-        def run():
-            alloc, free = cache.alloc_block, cache.free_block
-            for _ in range(pairs):
-                free(alloc())
-        return run
-
     def batch(cache):
         def run():
             alloc, free = cache.alloc_blocks, cache.free_blocks
@@ -93,8 +86,8 @@ def _alloc_path(gpu, pairs: int, batches: int, repeats: int) -> None:
 
     t = {name: float("inf") for name in ("pp", "pe", "bp", "be")}
     for _ in range(repeats):  # interleaved, so both sides see the same machine
-        t["pp"] = min(t["pp"], best_of(pair(plain), 1))
-        t["pe"] = min(t["pe"], best_of(pair(elastic), 1))
+        t["pp"] = min(t["pp"], best_of(alloc_free_pairs(plain, pairs), 1))
+        t["pe"] = min(t["pe"], best_of(alloc_free_pairs(elastic, pairs), 1))
         t["bp"] = min(t["bp"], best_of(batch(plain), 1))
         t["be"] = min(t["be"], best_of(batch(elastic), 1))
     print(

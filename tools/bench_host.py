@@ -18,7 +18,7 @@ from __future__ import annotations
 
 
 from floors import ceiling
-from timing import best_of
+from timing import alloc_free_pairs, best_of
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 
 PAIR_CEILING = 1.5
@@ -51,29 +51,15 @@ def _pair(pairs: int, repeats: int) -> None:
     cache = _cache(1024)
     free_list = list(range(1024))
 
-    def ours():
-        alloc, free = cache.alloc_block, cache.free_block
-        for _ in range(pairs):
-            free(alloc())
+    ours = alloc_free_pairs(cache, pairs)
 
     def bare():
         pop, push = free_list.pop, free_list.append
         for _ in range(pairs):
             push(pop())
 
-    wrapper = _CallFloor(free_list)
-
-    def calls_only():
-        alloc, free = wrapper.alloc_block, wrapper.free_block
-        for _ in range(pairs):
-            free(alloc())
-
-    plain = _NoChecks(1024)
-
-    def no_checks():
-        alloc, free = plain.alloc_block, plain.free_block
-        for _ in range(pairs):
-            free(alloc())
+    calls_only = alloc_free_pairs(_CallFloor(free_list), pairs)
+    no_checks = alloc_free_pairs(_NoChecks(1024), pairs)
 
     t_ours, t_bare, t_calls = best_of(ours, repeats), best_of(bare, repeats), best_of(calls_only, repeats)
     t_plain = best_of(no_checks, repeats)
@@ -299,14 +285,7 @@ def _guard(steps: int, pairs: int, repeats: int) -> None:
     t_on.check_invariants()
     t_off.check_invariants()
 
-    def pair(cache):
-        def run():
-            alloc, free = cache.alloc_block, cache.free_block
-            for _ in range(pairs):
-                free(alloc())
-        return run
-
-    p_on, p_off = pair(_cache_with_prefix(True)), pair(_cache_with_prefix(False))
+    p_on, p_off = alloc_free_pairs(_cache_with_prefix(True), pairs), alloc_free_pairs(_cache_with_prefix(False), pairs)
     ns_on = ns_off = float("inf")
     for _ in range(repeats):
         ns_on = min(ns_on, best_of(p_on, 1) / pairs * 1e9)
