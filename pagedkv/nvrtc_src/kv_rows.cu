@@ -667,18 +667,32 @@ __device__ __forceinline__ int group_data_bits(const KvSide& S) {
     return GROUP * (KIND == FMT_TURBO8 ? 8 : (KIND == FMT_NVFP4 ? 4 : book_of(S.fmt).bits));
 }
 
+// Unit u's lane: item u * 32 + lane of the tokens x (heads * head_dim / GROUP) groups, as
+// (token, group index within the token's row); in_range false past the last group.
+struct GroupItem {
+    bool in_range;
+    int token;
+    i64 gi;
+};
+
+__device__ __forceinline__ GroupItem group_item(const KvSide& S, int tokens, i64 u) {
+    const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
+    const i64 item = u * 32 + lane_id();
+    const bool in_range = item < (i64)tokens * groups;
+    const int token = in_range ? (int)(item / groups) : 0;
+    return {in_range, token, in_range ? item - (i64)token * groups : 0};
+}
+
 template <int KIND, bool WRITE>
 __device__ __forceinline__ void group_load(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
                                            int block_size, i64 limit, i64 u, bool rows_vec, bool sets,
                                            UnitIn<GROUP>& in) {
     const int F = group_data_bits<KIND>(S);  // data bits a group
     constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
-    const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
-    const i64 item = u * 32 + lane_id();
-    const bool in_range = item < (i64)tokens * groups;
-    const int token = in_range ? (int)(item / groups) : 0;
-    const i64 gi = in_range ? item - (i64)token * groups : 0;
-    in.slot = in_range ? slots[token] : -1;
+    const GroupItem it = group_item(S, tokens, u);
+    const int token = it.token;
+    const i64 gi = it.gi;
+    in.slot = it.in_range ? slots[token] : -1;
     const bool valid = in.slot >= 0 && in.slot < limit;
     const int sub = (int)(lane_id() & 7u);
     if (WRITE) {
@@ -710,13 +724,11 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
                                           int block_size, i64 limit, i64 u, bool rows_vec, bool sets, UnitIn<GROUP>& in) {
     const int F = group_data_bits<KIND>(S);  // data bits a group
     constexpr int SF = KIND == FMT_TURBO8 ? 16 : 8;
-    const i64 groups = ((i64)S.heads * S.head_dim) / GROUP;
-    const i64 item = u * 32 + lane_id();
-    const bool in_range = item < (i64)tokens * groups;
-    const int token = in_range ? (int)(item / groups) : 0;
-    const i64 gi = in_range ? item - (i64)token * groups : 0;
-    const i64 slot = FUSED ? (in_range ? slots[token] : -1) : in.slot;
-    const bool valid = in_range && slot >= 0 && slot < limit;
+    const GroupItem it = group_item(S, tokens, u);
+    const int token = it.token;
+    const i64 gi = it.gi;
+    const i64 slot = FUSED ? (it.in_range ? slots[token] : -1) : in.slot;
+    const bool valid = it.in_range && slot >= 0 && slot < limit;
     const i64 e = (i64)token * S.row_stride + GROUP * gi;
     const int sub = (int)(lane_id() & 7u);  // lane in its set of 8 (one row when `sets`)
     SlotRows at = {nullptr, nullptr};
@@ -766,7 +778,7 @@ __device__ __forceinline__ u32 group_unit(const KvSide& S, const SideGeometry& g
         if (F < 64) d[0] = scatter_field<8>(in.d[0], F, sub, F / 8);
         sb = (u32)scatter_field<8>(in.sword, SF, sub, SF / 8);
     }
-    if (!in_range) return 0;
+    if (!it.in_range) return 0;
     if (valid) {
         decode_group_bits<KIND>(S.fmt, d, sb, x);
     } else {
