@@ -72,3 +72,22 @@ def hits(prefix, cache, tokens, **kw) -> int:
     found = prefix.match(tokens, **kw)
     cache.free_blocks(found.blocks)
     return found.num_tokens
+
+
+def keyed_table_world(block_size: int, blocks: int = 32):
+    """A fixture body (a generator): a one-layer BF16 cache of `blocks` blocks of `block_size`
+    on HostBackend with a PrefixCache and a SequenceTable, yielded as (cache, prefix, table);
+    afterwards every sequence is freed, the invariants checked, everything released."""
+    from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
+
+    gpu = HostBackend(1 << 26)
+    config = KvCacheConfig(block_size=block_size, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16")
+    cache = PagedKvCache(config, blocks, gpu)
+    prefix = PrefixCache(cache)
+    table = SequenceTable(cache, prefix, gpu)
+    yield cache, prefix, table
+    for seq in table.seq_ids():
+        table.free(seq)
+    table.check_invariants()
+    prefix.close()
+    cache.release(gpu)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from shared_helpers import hits
+from shared_helpers import hits, keyed_table_world
 from test_vllm_hash import ref_chain
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
@@ -17,16 +17,7 @@ TOKENS = list(range(100, 113))  # 13: 3 full blocks and one token
 
 @pytest.fixture
 def world():
-    gpu = HostBackend(1 << 26)
-    cache = PagedKvCache(KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16"), 32, gpu)
-    prefix = PrefixCache(cache)
-    table = SequenceTable(cache, prefix, gpu)
-    yield cache, prefix, table
-    for seq in table.seq_ids():
-        table.free(seq)
-    table.check_invariants()
-    prefix.close()
-    cache.release(gpu)
+    yield from keyed_table_world(BS)
 
 
 

@@ -4,7 +4,7 @@ through `PrefixCache.match` / `insert` and `SequenceTable.add` / `cache_prefix`.
 from __future__ import annotations
 
 import pytest
-from shared_helpers import hits
+from shared_helpers import hits, keyed_table_world
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
 from pagedkv.sequences.hashing import root_hash
@@ -15,17 +15,7 @@ PROMPT = list(range(100, 113))  # 3 full blocks + 1
 
 @pytest.fixture
 def world():
-    gpu = HostBackend(1 << 26)
-    cfg = KvCacheConfig(block_size=BS, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16")
-    cache = PagedKvCache(cfg, 32, gpu)
-    prefix = PrefixCache(cache)
-    table = SequenceTable(cache, prefix, gpu)
-    yield cache, prefix, table
-    for seq in table.seq_ids():
-        table.free(seq)
-    table.check_invariants()
-    prefix.close()
-    cache.release(gpu)
+    yield from keyed_table_world(BS)
 
 
 
