@@ -19,13 +19,14 @@ from ..backends.protocol import DevicePtr, GpuBackend
 from ..core.allocator import BlockAllocator
 from ..core.config import KvCacheConfig
 from ..core.env import flags
-from ..core.guard import ThreadGuard, guarded_call
+from ..core.guard import ThreadGuard
 from ..core.log import get_logger
 from ..core.validate import positive_int
 from ..errors import KvCacheError
 from ..groups import state_checksums
 from ..groups.layout import GroupLayout
 from ..groups.state_pools import StatePools
+from .guarding import GuardedCalls, PoolHolders
 from .paged_cache import HYBRID_FACTORY, POISON_BYTE, PagedKvCache
 
 _log = get_logger("cache")
@@ -45,9 +46,12 @@ _GUARDED_METHODS = ("fill_slots", "zero_slots", "poison_slots", "init_slots", "f
 PagedKvCache's are)."""
 
 
-class StateGroup:
+class StateGroup(GuardedCalls, PoolHolders):
     """One state group of a hybrid cache: `StatePools` and a `BlockAllocator` over its slots
     (the seed's bookkeeping names: `alloc_block` hands out a slot, `ref_count(slot)`, ...)."""
+
+    _GUARD_BOUND = _GUARDED_BOUND
+    _GUARD_METHODS = _GUARDED_METHODS
 
     def __init__(self, index: int, layers: tuple, pools: StatePools, allocator: BlockAllocator):
         self.index = index
@@ -57,34 +61,6 @@ class StateGroup:
         self._holders: dict[int, str] = {}  # id(holder) -> label, as PagedKvCache keeps them
         for name in _BOUND:
             setattr(self, name, getattr(allocator, name))
-
-    def _take_guard(self, guard: ThreadGuard, pending, deliver) -> None:
-        """Install guarded versions of the calls that change the group (instance attributes),
-        as `PagedKvCache._take_guard` does: a second thread's call raises ConcurrentUseError."""
-        for name in _GUARDED_BOUND:
-            setattr(self, name, guarded_call(guard, getattr(self._allocator, name), pending, deliver))
-        for name in _GUARDED_METHODS:
-            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
-
-    def _drop_guard(self) -> None:
-        """Back to the unguarded calls."""
-        for name in _GUARDED_BOUND:
-            setattr(self, name, getattr(self._allocator, name))
-        for name in _GUARDED_METHODS:
-            self.__dict__.pop(name, None)
-
-    def hold(self, holder: object, label: str) -> None:
-        """Record `holder` (named `label`) as using the slot pools: the hybrid cache's
-        `release` is refused until `let_go(holder)`."""
-        self._holders[id(holder)] = label
-
-    def let_go(self, holder: object) -> None:
-        """Undo `hold` (a no-op for a holder not recorded)."""
-        self._holders.pop(id(holder), None)
-
-    def holders(self) -> list[str]:
-        """The labels of the holders recorded by `hold`."""
-        return list(self._holders.values())
 
     def check_releasable(self, gpu: GpuBackend) -> None:
         """The checks the hybrid cache's `release` makes of this group first (KvCacheError,
@@ -176,8 +152,10 @@ def per_group_counts(value, layout: GroupLayout, what: str, kinds: list[int], de
     return out
 
 
-class HybridKvCache:
+class HybridKvCache(GuardedCalls):
     """A layer-grouped KV cache; see the module docstring and `PagedKvCache` for the seed API."""
+
+    _GUARD_METHODS = ("write_state", "copy_state")
 
     def __init__(self, config: KvCacheConfig, num_blocks, gpu: GpuBackend, elastic: bool = False,
                  num_state_slots=None):
@@ -394,15 +372,13 @@ class HybridKvCache:
         enter `guard` (an attached HybridPrefixCache's): ConcurrentUseError from a second thread."""
         for group in self._groups:
             group._take_guard(guard, pending, deliver)
-        for name in ("write_state", "copy_state"):
-            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
+        super()._take_guard(guard, pending, deliver)
 
     def _drop_guard(self) -> None:
         """Undo `_take_guard`."""
         for group in self._groups:
             group._drop_guard()
-        for name in ("write_state", "copy_state"):
-            self.__dict__.pop(name, None)
+        super()._drop_guard()
 
     def release(self, gpu: GpuBackend) -> None:
         """Release every group's pools (each attempted, the first error raised). KvCacheError,

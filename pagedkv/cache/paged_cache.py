@@ -21,7 +21,7 @@ from ..core.config import KvCacheConfig
 from ..core.config import _scale as _checked_scale
 from ..core.elastic_allocator import ElasticBlockAllocator
 from ..core.env import flags
-from ..core.guard import ThreadGuard, guarded_call
+from ..core.guard import ThreadGuard
 from ..core.log import get_logger
 from ..core.validate import non_negative_int, positive_int
 from ..errors import KvCacheError, KvCacheExhausted
@@ -31,6 +31,7 @@ from ..kv import prefill as kv_prefill
 from ..kv import rows as kv_rows
 from ..kv.pools import KvPools
 from .geometry import CacheGeometry
+from .guarding import GuardedCalls, PoolHolders
 
 POISON_BYTE = 0xFF
 """The byte `poison_block` writes: BF16 0xFFFF is a NaN, so a read of a stale block shows."""
@@ -73,7 +74,7 @@ def _wait_list(items, what: str) -> list:
     return list(items)
 
 
-class PagedKvCache(CacheGeometry):
+class PagedKvCache(GuardedCalls, PoolHolders, CacheGeometry):
     """A paged KV cache: for every layer a K pool and a V pool of `num_blocks` blocks, and a
     reference count per block. See `BlockAllocator` for the bookkeeping contract.
 
@@ -81,6 +82,9 @@ class PagedKvCache(CacheGeometry):
     pools reserve address space for it and memory is mapped in steps as blocks are
     allocated (lowest block id first), given back by `shrink(gpu)` and mapped ahead by
     `reserve(n, gpu)`; see `ElasticBlockAllocator` and `pagedkv.pools.ElasticMapping`."""
+
+    _GUARD_BOUND = _GUARDED_BOUND
+    _GUARD_METHODS = _GUARDED_METHODS
 
     def __new__(cls, config: KvCacheConfig, *args, **kwargs):
         """A `HybridKvCache` (`pagedkv.cache.hybrid_cache`) for a config with `layer_groups`;
@@ -116,7 +120,6 @@ class PagedKvCache(CacheGeometry):
         for name in _BOUND:  # the hot paths run as the allocator's bound methods
             setattr(self, name, getattr(self._allocator, name))
         self._block = self._allocator.block
-        self._guard: ThreadGuard | None = None  # the attached prefix cache's, while one is
         self._holders: dict[int, str] = {}  # id(holder) -> label: what must close before release
         per_block = config.block_bytes_kv_all_layers()
         _log.info(
@@ -346,25 +349,6 @@ class PagedKvCache(CacheGeometry):
             self._drop_guard()
         self._allocator.detach_reclaimer(prefix_cache)
 
-    def _take_guard(self, guard: ThreadGuard, pending, deliver) -> None:
-        """Install guarded versions of the mutating methods (instance attributes); `deliver()`
-        runs after an outermost call that left events in `pending`."""
-        self._guard = guard
-        for name in _GUARDED_BOUND:
-            setattr(self, name, guarded_call(guard, getattr(self._allocator, name), pending, deliver))
-        for name in _GUARDED_METHODS:
-            setattr(self, name, guarded_call(guard, getattr(type(self), name).__get__(self), pending, deliver))
-
-    def _drop_guard(self) -> None:
-        """Back to the unguarded methods: the allocator's bound ones and the class's own."""
-        if self._guard is None:
-            return
-        self._guard = None
-        for name in _GUARDED_BOUND:
-            setattr(self, name, getattr(self._allocator, name))
-        for name in _GUARDED_METHODS:
-            self.__dict__.pop(name, None)
-
     def check_releasable(self, gpu: GpuBackend) -> None:
         """The checks `release` makes before it changes anything (KvCacheError naming what is
         wrong): `gpu` the cache's backend, no holder, no live DLPack export of a pool view.
@@ -384,19 +368,6 @@ class PagedKvCache(CacheGeometry):
                     f"release of {self.label()} while {exported} DLPack export(s) of its pools are alive (a "
                     "consumer's tensor from k_view/v_view would write into freed memory): drop them first; "
                     "nothing was released")
-
-    def hold(self, holder: object, label: str) -> None:
-        """Record `holder` (named `label`) as using the pools: `release` is refused until
-        `let_go(holder)`."""
-        self._holders[id(holder)] = label
-
-    def let_go(self, holder: object) -> None:
-        """Undo `hold` (a no-op for a holder not recorded)."""
-        self._holders.pop(id(holder), None)
-
-    def holders(self) -> list[str]:
-        """The labels of the holders recorded by `hold` (what must close before `release`)."""
-        return list(self._holders.values())
 
     def guard(self) -> ThreadGuard | None:
         """The ThreadGuard the cache's mutating methods enter (its prefix cache's), or None."""
