@@ -174,7 +174,7 @@ def test_swaps_need_the_caches_own_tier_and_a_table_with_a_backend():
         bare.swap_out("a", tier)
     with pytest.raises(KeyError, match="unknown sequence 'zz'"):
         table.swap_out("zz", tier)
-    with pytest.raises(KvCacheError, match="a disk tier does not support"):
+    with pytest.raises(TypeError, match="must be a HybridDiskTier, got object"):
         PrefixCache(cache, host_tier=tier, disk_tier=object())
 
 
