@@ -212,6 +212,9 @@ class HybridDiskTiering:
     def _free_slot(self, g: int) -> int | None:
         tier = self.disk.group(g)
         slot = tier.alloc_slot()
+        if slot is None and tier.is_writable():
+            tier.poll()  # writes finished meanwhile: their slots may be reused
+            slot = tier.alloc_slot()
         if slot is None and tier.is_writable() and tier.staging_free():
             victim = None
             for i, candidate in enumerate(tier.oldest()):

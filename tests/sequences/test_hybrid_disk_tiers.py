@@ -303,3 +303,50 @@ def test_construction_checks(tmp_path):
     with pytest.raises(ValueError, match="capacity_bytes lists 2 groups, the cache has 3"):
         PrefixCache(cache, host_tier=HybridHostTier(cache, 2, gpu), disk_tier=HybridDiskTier(tmp_path / "a", [1, 2]))
     assert HYBRID_STATE  # the state group's tensors are the shared helper's
+
+
+def test_a_keyed_chain_is_demoted_and_promoted_but_not_restored_as_an_unkeyed_one(tmp_path):
+    first = DiskWorld(tmp_path / "t", host=(1, 1, 1))
+    first.table.add("a", PROMPT, extra_keys=[(9, 2, "image-1")])  # keys the unit [8, 12) and all after
+    first.scribble("a")
+    first.table.free("a")
+    first.push_down()
+    first.cached_prompt("x", list(range(300, 317)))
+    first.push_down()  # the rest of the chain to disk too
+    first.disk.flush()
+    assert sum(1 for tier, t, g in first.tiers() if t[0] == 100 and tier == "disk") == 8
+    found = first.prefix.match(PROMPT, limit=16, extra_keys=[(9, 2, "image-1")])
+    assert (found.num_tokens, found.disk_num_tokens) == (16, 16)  # in this process the disk serves it
+    first.prefix.release(found)
+    assert first.prefix.match(PROMPT, limit=16).num_tokens == 0
+    first.close()
+
+    second = DiskWorld(tmp_path / "t", host=(4, 2, 2))
+    # the entries of [0, 8) come back; those from the keyed unit on hash with keys their
+    # records do not hold: not restored (never as the unkeyed tokens' entries)
+    assert [(tier, len(t), g) for tier, t, g in second.tiers() if t[0] == 100] == \
+        [("disk", 4, 0), ("disk", 8, 0), ("disk", 8, 2)]
+    assert second.prefix.match(PROMPT, limit=16).num_tokens == 0
+    second.close()
+
+
+def test_a_disk_entry_a_match_pins_is_never_reused(tmp_path):
+    world = DiskWorld(tmp_path / "t", host=(4, 2, 2), disk_bytes=6 * 4096)  # six slots a group
+    world.cached_prompt()
+    world.push_down()
+    world.cached_prompt("x", list(range(300, 317)))
+    world.push_down()  # PROMPT's entries to disk, the newcomer's on the host
+    found = world.prefix.match(PROMPT, limit=16)  # pins its disk entries
+    pinned = sorted(x for x in world.prefix.disk_entries() if x[1][0] == 100)
+    assert found.num_tokens == 16 and [len(p) for p in found.disk_entries] == [4, 2, 1]
+    assert len(pinned) == 8
+    for n, base in enumerate((500, 700)):
+        world.cached_prompt(f"c{n}", list(range(base, base + 17)))
+        world.push_down()  # full disk tiers: only the unpinned slots are reused
+    assert sorted(x for x in world.prefix.disk_entries() if x[1][0] == 100) == pinned
+    assert world.prefix.stats().disk_evictions[0] >= 1
+    world.prefix.release(found)
+    world.cached_prompt("d", list(range(900, 917)))
+    world.push_down()
+    assert sorted(x for x in world.prefix.disk_entries() if x[1][0] == 100) != pinned  # released: reusable
+    world.close()
