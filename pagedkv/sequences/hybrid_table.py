@@ -260,8 +260,10 @@ class HybridSequenceTable(SequenceQueries):
         prefix = self._prefix
         found = None
         if prefix is not None and n > 1:
-            disk = True
+            disk, tries = True, 0
             while True:
+                tries += 1
+                disk = disk and tries <= 4  # entries failing their reads are dropped: bounded all the same
                 found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys, refresh_host=False, disk=disk)
                 if not (any(found.host_entries) or any(found.disk_entries)):
                     break

@@ -246,7 +246,7 @@ def test_the_readme_hybrid_state_example_runs():
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("## Hybrid caches: state slots"):readme.index("## Transfer between engines")]
     examples = re.findall(r"```py\n(.*?)```", section, flags=re.S)
-    assert len(examples) == 2  # the host tier under the prefix cache, parking a sequence
+    assert len(examples) == 3  # the host tier under the prefix cache, the disk tier below it, parking a sequence
     for example in examples:
         namespace: dict = {}
         exec(compile(example, "README.md", "exec"), namespace)
