@@ -241,7 +241,6 @@ class HybridPrefixCache:
         self._ratio = {g: layout.block_size(g) // self._unit for g in attention}
         self._states = layout.state_groups()
         spans = [layout.block_size(g) if group.is_attention() else self._unit for g, group in enumerate(self._groups)]
-        records = disk_tier.bind(host_tier, spans) if disk_tier is not None else None
         self._guard = ThreadGuard("this PrefixCache")
         self._events = EventQueue(on_event, self._guard)
         self._roots: dict[int, _Node] = {}
@@ -267,10 +266,22 @@ class HybridPrefixCache:
         self._evictions = [0] * len(self._groups)
         self._tiering: HybridTiering | None = None
         self._disk: HybridDiskTiering | None = None
-        if host_tier is not None:
-            self._tiering = HybridTiering(self, host_tier, swap_stream)
-            for g in range(len(self._groups)):  # its cached host ids are freed from within this cache only
-                host_tier.group(g).attach_owner(self._guard)
+        owned = []
+        try:
+            if host_tier is not None:
+                self._tiering = HybridTiering(self, host_tier, swap_stream)
+                for g in range(len(self._groups)):  # its cached host ids are freed from within this cache only
+                    host_tier.group(g).attach_owner(self._guard)
+                    owned.append(g)
+            # the last check: another grouping or layout refused, nothing read then
+            records = disk_tier.bind(host_tier, spans) if disk_tier is not None else None
+        except BaseException:
+            for g in owned:
+                host_tier.group(g).detach_owner(self._guard)
+            cache._drop_guard()
+            for g, rec in enumerate(self._reclaimers):
+                self._allocator(g).detach_reclaimer(rec)
+            raise
         if disk_tier is not None:
             self._disk = self._tiering.disk = HybridDiskTiering(self, disk_tier, self._tiering)
             self._disk.restore(records, spans)
