@@ -45,6 +45,10 @@ class NoStagingRoom(KvCacheExhausted):
     pinned. `SequenceTable.add` then matches again without the disk tier."""
 
 
+NO_DISK: dict = {}
+"""The `disk` of a trie node with no disk entry: one shared empty dict, never written to
+(`set_disk` gives a node its own)."""
+
 EVICTION_SCAN = 256
 """At most this many least-recently-used slots are looked at to find one to reuse."""
 
@@ -128,7 +132,7 @@ class HybridDiskTiering:
                 if g in at.disk or g in at.entries or g in at.lower:
                     stale[g].append(record.slot)  # one entry stored twice: the first (oldest) found wins
                     continue
-                at.disk[g] = record.slot
+                set_disk(at, g, record.slot)
                 self.by_slot[g][record.slot] = at
                 restored[g].append((at, record.slot))
         for rest in waiting.values():  # their start is not in the directory
@@ -196,7 +200,7 @@ class HybridDiskTiering:
             tokens = b"".join(n.key[: 8 * owner._unit] for n in _units(node, span // owner._unit))
             meta = IndexRecord(slot, 0, 0, node.adapter_id, node.hash, start.hash, 0, tokens)
             if tier.write(slot, host_tier.block_rows(host), meta):
-                node.disk[g] = slot
+                set_disk(node, g, slot)
                 self.by_slot[g][slot] = node
                 out.append((node, slot))
         self.stores[g] += len(out)
@@ -354,7 +358,9 @@ class HybridDiskTiering:
 
     def check(self) -> None:
         """KvCacheError where a disk entry is not on its node, sits beside another tier's, or
-        the tier's LRU and the index disagree."""
+        the tier's LRU and the index disagree (or the shared `NO_DISK` was written to)."""
+        if NO_DISK:
+            raise KvCacheError(f"the shared empty disk map of trie nodes holds {NO_DISK!r}")
         for g, by_slot in enumerate(self.by_slot):
             tier = self.disk.group(g)
             for slot, node in by_slot.items():
@@ -364,6 +370,14 @@ class HybridDiskTiering:
                     raise KvCacheError(f"group {g} disk slot {slot} sits beside a device or host entry")
             if tier.num_cached_blocks() != len(by_slot):
                 raise KvCacheError(f"group {g}'s disk tier LRU holds {tier.num_cached_blocks()}, the trie {len(by_slot)}")
+
+
+def set_disk(node: Any, g: int, slot: int) -> None:
+    """Record group g's disk slot on `node` (whose `disk` is the shared empty `NO_DISK` until
+    its first disk entry: most nodes never get one)."""
+    if node.disk is NO_DISK:
+        node.disk = {}
+    node.disk[g] = slot
 
 
 def owner_unit(owner: Any) -> int:

@@ -58,7 +58,7 @@ from .block_keys import BlockKeys, block_keys, salted_root_hash
 from ..core.streams import stream_handle
 from ..tiers.hybrid_host_tier import check_tier_of
 from .events import EventQueue
-from .hybrid_disk_tiering import HybridDiskTiering
+from .hybrid_disk_tiering import NO_DISK, HybridDiskTiering
 from .hybrid_tiering import HybridTiering
 from .stats import HybridPrefixCacheStats
 from .hashing import chain_digest, root_hash
@@ -168,7 +168,7 @@ class _Node:
         self.children: dict[bytes, _Node] = {}
         self.entries: dict[int, int] = {}
         self.lower: dict[int, int] = {}  # group -> host id of an entry held on the host tier
-        self.disk: dict[int, int] = {}  # group -> disk slot of an entry held on the disk tier
+        self.disk: dict[int, int] = NO_DISK  # group -> disk slot of an entry on the disk tier (set_disk)
         # the unit's extra keys (a root: its salt as given, or ()); vLLM digests per block size
         self.extra = extra
         self.digests: dict[int, bytes] | None = None

@@ -350,3 +350,35 @@ def test_a_disk_entry_a_match_pins_is_never_reused(tmp_path):
     world.push_down()
     assert sorted(x for x in world.prefix.disk_entries() if x[1][0] == 100) != pinned  # released: reusable
     world.close()
+
+
+def test_a_second_writer_is_refused_with_nothing_left_locked_and_a_reader_shares_the_directory(tmp_path):
+    first = DiskWorld(tmp_path / "t", host=(1, 1, 1))
+    before = first.cached_prompt()
+    first.cached_prompt("x", list(range(300, 317)))
+    first.push_down()
+    first.cached_prompt("y", list(range(500, 517)))
+    first.push_down()
+    first.disk.flush()
+    gpu = counting_host()
+    cache = PagedKvCache(hybrid_tier_config(), [16, 16, None], gpu, num_state_slots=8)
+    tier = HybridHostTier(cache, 4, gpu)
+    with pytest.raises(Exception, match="in use by another writer"):
+        PrefixCache(cache, host_tier=tier, disk_tier=HybridDiskTier(tmp_path / "t"))
+    reader = HybridDiskTier(tmp_path / "t", read_only=True)
+    prefix = PrefixCache(cache, host_tier=tier, disk_tier=reader)  # hits from the writer's directory
+    table = SequenceTable(cache, prefix, gpu)
+    assert table.add("b", PROMPT) == 16
+    for (tokens, g), value in before.items():
+        if (tokens, g) != CKPT8 and g != 2:
+            group = cache.group(g)
+            entry = {t: e for _, t, gg, e in prefix.entries() if gg == g}[tokens]
+            assert [tuple(x.tobytes() for x in group.read_block(layer, entry, gpu))
+                    for layer in range(group.num_layers())] == value
+    assert [s.degraded for s in reader.stats()] == ["read_only"] * 3
+    table.free("b")
+    prefix.close()
+    reader.close()
+    first.close()
+    again = DiskWorld(tmp_path / "t")  # the refused writer left no lock behind
+    again.close()
