@@ -306,15 +306,18 @@ class HybridDiskTiering:
             return None
         return staged
 
-    def unstage(self, staged: dict, handle: Any = None) -> None:
-        """Free staged host blocks (with `handle`: a swap that may still read them)."""
+    def unstage(self, staged: dict, handle: Any = None, failed: bool = True) -> None:
+        """Free staged host blocks (with `handle`: once that swap, which may still read them,
+        is done; `failed`: a swap whose completion could not be established)."""
         for g, items in staged.items():
             tier = self.host.tier.group(g)
             hosts = [h for _, h, _, _ in items]
             if handle is None or handle.event() is None:
                 tier.free(hosts)
-            else:
+            elif failed:
                 tier.abandon(handle, hosts)
+            else:
+                tier.free(hosts, after=handle)
 
     def promoted(self, g: int, slot: int, node: Any) -> None:
         """Group g's disk entry in `slot` was promoted (the device id is on `node` now): its

@@ -613,6 +613,8 @@ class HybridPrefixCache:
             return found
         self._check_open("promote")
         self._check_tier()
+        if self._tiering is None:  # the host tier was released since the match: match again
+            return None
         return self._tiering.promote(found, stream, wait)
 
     def _check_tier(self) -> None:

@@ -75,7 +75,8 @@ class HybridTiering:
             while room > 0 and len(keep) > room:
                 self._demote(g, keep[:room], set())
                 keep = keep[room:]
-            victims = [e for e in victims if e in useless or e in set(keep)]
+            last = set(keep)
+            victims = [e for e in victims if e in useless or e in last]
         self._demote(g, victims, useless)
 
     def _demote(self, g: int, victims: list[int], useless: set[int]) -> None:
@@ -186,11 +187,13 @@ class HybridTiering:
         on `stream` (the host waits for it when `wait`): the cache's reference on them, the
         caller's reference (the one the match stands for) on them too, their host ids (disk
         slots) freed once the swap is done. Disk entries beyond what the host tiers can stage
-        at once go up in further rounds (one swap each, each waited for). A failure (a group
-        out of ids, a swap error, no host room to stage) frees what was allocated and
-        propagates with every entry where it was: `found` still stands. None when a disk
-        entry is gone or failed its read (dropped; the caller releases `found` and matches
-        again)."""
+        at once go up in further rounds (one swap each, each waited for); when the match's own
+        host entries fill a group's host tier, they go up first (kept on the device even if
+        the disk part then fails) and the disk part follows through the blocks they leave. A
+        failure (a group out of ids, a swap error, `NoStagingRoom`) frees what was allocated
+        and propagates with every entry of the match cached (where it was, or on the device):
+        the caller releases `found`. None when a disk entry is gone or failed its read
+        (dropped; the caller releases `found` and matches again)."""
         disk = self.disk
         hosted = {g: list(pairs) for g, pairs in enumerate(found.host_entries) if pairs}
         below: dict[int, list] = {}
@@ -263,7 +266,7 @@ class HybridTiering:
                     handle.wait()
                 handle.done()  # an error polling it raises here, before anything changed
                 if staged:
-                    disk.unstage(staged, handle)
+                    disk.unstage(staged, handle, failed=False)
                     staged = {}
                 first = False
         except BaseException:
