@@ -382,3 +382,21 @@ def test_a_second_writer_is_refused_with_nothing_left_locked_and_a_reader_shares
     first.close()
     again = DiskWorld(tmp_path / "t")  # the refused writer left no lock behind
     again.close()
+
+
+def test_clear_forgets_the_directory_too_and_close_keeps_it(tmp_path):
+    for wipe in (False, True):
+        world = DiskWorld(tmp_path / str(wipe), host=(1, 1, 1))
+        world.cached_prompt()
+        world.cached_prompt("x", list(range(300, 317)))
+        world.push_down()
+        world.disk.flush()
+        kept = sorted(x for x in world.tiers() if x[0] == "disk")
+        if wipe:
+            world.prefix.clear()
+            assert world.tiers() == [] and [world.disk.group(g).num_free_slots() for g in range(3)] == [256] * 3
+        world.close()
+        again = DiskWorld(tmp_path / str(wipe), host=(1, 1, 1))
+        restored = sorted(x for x in again.tiers() if x[0] == "disk")
+        assert restored == ([] if wipe else [x for x in kept if x[1][0] == 100])  # x's chain lacks its start
+        again.close()
