@@ -342,7 +342,8 @@ def test_a_disk_entry_a_match_pins_is_never_reused(tmp_path):
     assert len(pinned) == 8
     for n, base in enumerate((500, 700)):
         world.cached_prompt(f"c{n}", list(range(base, base + 17)))
-        world.push_down()  # full disk tiers: only the unpinned slots are reused
+        world.push_down()  # full disk tiers: only the unpinned slots are reused (once written)
+        world.disk.flush()
     assert sorted(x for x in world.prefix.disk_entries() if x[1][0] == 100) == pinned
     assert world.prefix.stats().disk_evictions[0] >= 1
     world.prefix.release(found)
