@@ -311,10 +311,18 @@ def test_a_keyed_chain_is_demoted_and_promoted_but_not_restored_as_an_unkeyed_on
     first.scribble("a")
     first.table.free("a")
     first.push_down()
+    first.table.add("s", list(range(600, 617)), cache_salt="tenant-1")  # a salted chain
+    first.scribble("s")
+    first.table.free("s")
+    first.push_down()
     first.cached_prompt("x", list(range(300, 317)))
-    first.push_down()  # the rest of the chain to disk too
+    first.push_down()  # the rest of the chains to disk too
     first.disk.flush()
     assert sum(1 for tier, t, g in first.tiers() if t[0] == 100 and tier == "disk") == 8
+    assert sum(1 for tier, t, g in first.tiers() if t[0] == 600 and tier == "disk") == 8
+    salted = first.prefix.match(list(range(600, 617)), limit=16, cache_salt="tenant-1")
+    assert (salted.num_tokens, salted.disk_num_tokens) == (16, 16)
+    first.prefix.release(salted)
     found = first.prefix.match(PROMPT, limit=16, extra_keys=[(9, 2, "image-1")])
     assert (found.num_tokens, found.disk_num_tokens) == (16, 16)  # in this process the disk serves it
     first.prefix.release(found)
@@ -327,6 +335,8 @@ def test_a_keyed_chain_is_demoted_and_promoted_but_not_restored_as_an_unkeyed_on
     assert [(tier, len(t), g) for tier, t, g in second.tiers() if t[0] == 100] == \
         [("disk", 4, 0), ("disk", 8, 0), ("disk", 8, 2)]
     assert second.prefix.match(PROMPT, limit=16).num_tokens == 0
+    assert not any(t[0] == 600 for _, t, _ in second.tiers())  # the salted chain: not restored either
+    assert second.prefix.match(list(range(600, 617)), limit=16, cache_salt="tenant-1").num_tokens == 0
     second.close()
 
 
