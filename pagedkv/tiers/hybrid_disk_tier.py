@@ -146,6 +146,10 @@ class HybridDiskTier:
                 tier.check_layout(described)
             except DiskLayoutMismatch as err:
                 raise DiskLayoutMismatch(f"group {g}: {err}") from None
+        for g in range(n):  # before anything is written: a new group directory needs a size
+            if capacities[g] is None and disk_layout.read_layout(self.group_directory(g)) is None:
+                raise ValueError(f"{self.group_directory(g)} holds no disk tier yet: give capacity_bytes "
+                                 f"for group {g}")
         if theirs is None and not self._options["read_only"]:
             try:
                 os.makedirs(self._directory, exist_ok=True)

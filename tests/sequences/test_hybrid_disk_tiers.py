@@ -302,7 +302,21 @@ def test_construction_checks(tmp_path):
         HybridDiskTier(tmp_path / "a", 0)
     with pytest.raises(ValueError, match="capacity_bytes lists 2 groups, the cache has 3"):
         PrefixCache(cache, host_tier=HybridHostTier(cache, 2, gpu), disk_tier=HybridDiskTier(tmp_path / "a", [1, 2]))
-    assert HYBRID_STATE  # the state group's tensors are the shared helper's
+    disk = HybridDiskTier(tmp_path / "b", [1 << 20, 8192, None])  # per group; None: the whole int's default
+    with pytest.raises(ValueError, match="holds no disk tier yet: give capacity_bytes for group 2"):
+        PrefixCache(cache, host_tier=HybridHostTier(cache, 2, gpu), disk_tier=disk)
+    assert not (tmp_path / "b").exists()  # nothing written
+    disk = HybridDiskTier(tmp_path / "b", [1 << 20, 8192, 3 * 4096])
+    prefix = PrefixCache(cache, host_tier=HybridHostTier(cache, 2, gpu), disk_tier=disk)
+    assert [disk.group(g).num_slots() for g in range(3)] == [256, 2, 3]
+    assert HYBRID_STATE == (((4,), "float32"), ((2, 3), "float16")) and disk.group(2).slot_bytes() == 4096
+    prefix.close()
+    disk.close()
+    reopened = HybridDiskTier(tmp_path / "b")  # a reopening keeps each group's size
+    prefix = PrefixCache(cache, host_tier=HybridHostTier(cache, 2, gpu), disk_tier=reopened)
+    assert [reopened.group(g).num_slots() for g in range(3)] == [256, 2, 3]
+    prefix.close()
+    reopened.close()
 
 
 def test_a_keyed_chain_is_demoted_and_promoted_but_not_restored_as_an_unkeyed_one(tmp_path):
