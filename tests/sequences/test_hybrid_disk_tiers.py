@@ -425,3 +425,81 @@ def test_clear_forgets_the_directory_too_and_close_keeps_it(tmp_path):
         restored = sorted(x for x in again.tiers() if x[0] == "disk")
         assert restored == ([] if wipe else [x for x in kept if x[1][0] == 100])  # x's chain lacks its start
         again.close()
+
+
+DISK_ON_STUB = '''
+import tempfile
+from pagedkv import HostBackend, HybridDiskTier, HybridHostTier, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
+from pagedkv.core.layer_groups import LayerGroup
+from pagedkv.driver import CudaBackend
+
+CONFIG = KvCacheConfig(4, 1, 16, 4, "bf16", layer_groups=(
+    LayerGroup("full", (0, 3)), LayerGroup("sliding", (1,), window=8),
+    LayerGroup("state", (2,), state=(((4,), "float32"), ((2, 3), "float16")), checkpoint_every=8)))
+PROMPT = list(range(100, 117))
+
+def batches():
+    names = [launch(i)[0].name for i in range(STUB.stub_launch_count())]
+    return calls("cuMemcpyBatchAsync") + names.count(b"pagedkv_copy_batch")
+
+def run(gpu, cuda):
+    directory = tempfile.mkdtemp()
+    cache = PagedKvCache(CONFIG, [12, 12, None], gpu, num_state_slots=8)
+    tier = HybridHostTier(cache, [4, 2, None], gpu, num_state_slots=1)
+    disk = HybridDiskTier(directory, 1 << 20)
+    prefix = PrefixCache(cache, host_tier=tier, disk_tier=disk)
+    table = SequenceTable(cache, prefix, gpu)
+    s = gpu.default_stream()
+    table.add("a", PROMPT)
+    rows = np.random.default_rng(4).standard_normal((17, 1, 16)).astype(np.float32)
+    for layer in (0, 1, 3):
+        g = cache.group_of_layer(layer)
+        held, first = table.blocks("a", g), table.first_block_position("a", g) // 4
+        slots = [held[p // 4 - first] * 4 + p % 4 if p // 4 >= first else -1 for p in range(17)]
+        cache.write_tokens(layer, slots, rows * (layer + 1), rows - layer, gpu, s)
+    for pos, slot in table.step_checkpoints("a"):
+        cache.write_state(2, slot, [pos, -2, 3, 4], gpu)
+        cache.write_state(2, slot, np.full((2, 3), pos / 8), gpu, tensor=1)
+    gpu.synchronize(s)
+    table.free("a")
+    table.add("x", list(range(300, 317)))
+    table.free("x")
+    for _ in range(2):
+        for g in range(3):
+            prefix.evict(g, 99)  # device -> host -> disk, in rounds of the host tiers' size
+    disk.flush()
+    assert sum(1 for _, t, _, _ in prefix.disk_entries() if t[0] == 100) == 8
+    before = batches() if cuda else 0
+    assert table.add("b", PROMPT) == 16
+    gpu.synchronize(s)
+    if cuda:
+        assert batches() == before + 1, (before, batches())  # staged through host blocks, ONE swap
+    out = []
+    for layer in (0, 1, 3):
+        g = cache.group_of_layer(layer)
+        first = table.first_block_position("b", g) // 4
+        for b in table.blocks("b", g)[:4 - first]:  # the matched blocks (the last one is b's own)
+            out.append(b"".join(x.tobytes() for x in cache.group(g).read_block(cache.local_layer(layer), b, gpu)))
+    live, = np.asarray(table.state_slots(["b"])).tolist()
+    out += [cache.read_state(2, live, gpu, tensor=t).tobytes() for t in (0, 1)]
+    table.check_invariants()
+    table.free("b")
+    table.release(gpu)
+    prefix.close()
+    disk.close()
+    tier.release(gpu)
+    cache.release(gpu)
+    return out
+
+host = run(HostBackend(), False)
+assert len(host) == 4 + 2 + 4 + 2 and all(part.strip(b"\\0") for part in host)
+with CudaBackend() as gpu:
+    assert run(gpu, True) == host
+print("CHECK hybrid disk on stub ok")
+'''
+
+
+def test_the_disk_round_trip_on_the_device_matches_host_backend(stub_env):
+    from kernel_harness.stub import run_on_stub
+
+    assert "CHECK hybrid disk on stub ok" in run_on_stub(stub_env, DISK_ON_STUB)
