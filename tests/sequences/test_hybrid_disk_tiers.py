@@ -503,3 +503,23 @@ def test_the_disk_round_trip_on_the_device_matches_host_backend(stub_env):
     from kernel_harness.stub import run_on_stub
 
     assert "CHECK hybrid disk on stub ok" in run_on_stub(stub_env, DISK_ON_STUB)
+
+
+def test_closing_the_disk_tier_first_leaves_two_tiers(tmp_path):
+    world = DiskWorld(tmp_path / "t", host=(1, 1, 1))
+    world.cached_prompt()
+    world.push_down()
+    on_host = sorted(world.prefix.host_entries())
+    world.disk.close()
+    world.events.clear()
+    assert world.prefix.match(PROMPT, limit=16).num_tokens == 0  # its entries are forgotten
+    assert world.prefix.disk_tier() is None and world.prefix.disk_entries() == []
+    assert [(type(e).__name__, e.medium) for e in world.events] == [("GroupBlockRemoved", "DISK")] * 5
+    assert sorted(world.prefix.host_entries()) == on_host
+    world.push_down()  # the host tier drops as without a disk tier
+    world.table.check_invariants()
+    world.prefix.close()
+    again = DiskWorld(tmp_path / "t", host=(1, 1, 1))  # the directory kept what was written
+    assert [x.restored_blocks for x in again.disk.stats()] == [3, 1, 1]  # the directory kept them
+    assert again.prefix.disk_entries() == []  # but the chain's start (on the host then) was never written
+    again.close()
