@@ -58,6 +58,7 @@ from .sequences.sequence_table import Exported, PageTable, SequenceTable
 from .tiers.disk_layout import DiskLayoutMismatch
 from .tiers.disk_tier import DiskTier, DiskTierStats
 from .tiers.host_tier import HostTier, SwapHandle
+from .tiers.hybrid_disk_tier import HybridDiskTier
 from .tiers.hybrid_host_tier import HybridHostTier
 
 MOVED_MODULES = {
@@ -154,6 +155,7 @@ __all__ = [
     "GpuBackend",
     "HostBackend",
     "HostTier",
+    "HybridDiskTier",
     "HybridHostTier",
     "KvCacheConfig",
     "KvCacheDtype",

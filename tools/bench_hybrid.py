@@ -17,20 +17,27 @@ all-full-attention cache of the same layers.
   4 conversations decode at once, the oldest freed when a fifth arrives;
 - the same workload with a device cache of a quarter of that size, without and with a
   `HybridHostTier` holding the rest (evicted entries of every group demoted, promoted back at
-  a hit): both rates and their ratio; floor 0.9x of the oracle with the host tier;
+  a hit): both rates and their ratio; floor 0.9x of the oracle with the host tier; and with
+  a host tier of a ninth of that over a `HybridDiskTier` in a temporary directory (host drops
+  of every group written to disk, staged back through host blocks at a hit): its rate beside
+  that host tier alone, and the share of hit tokens only the disk gave; floor 0.9x of the
+  oracle;
 - bookkeeping per decode step: `append` of one token to 64 sequences, the hybrid table
   against a one-group SequenceTable of the same layers (a ratio; no floor).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 
 import numpy as np
 
 from floors import ceiling, floor
 
-from pagedkv import HostBackend, HybridHostTier, KvCacheConfig, PagedKvCache, PrefixCache, SequenceTable
+from pagedkv import (HostBackend, HybridDiskTier, HybridHostTier, KvCacheConfig, PagedKvCache, PrefixCache,
+                     SequenceTable)
 from pagedkv.core.layer_groups import LayerGroup
 from pagedkv.groups.layout import GroupLayout
 
@@ -130,18 +137,27 @@ def hit_rates(quick: bool) -> None:
         rate, groups = _serve(config, requests, 6)
         print(f"    {name:<18} {rate:.3f} ({groups})")
         floor(f"{name} hit rate vs the oracle", rate / (oracle_tokens / prompt_tokens), 0.9)
-    print("  the same with a device cache of a quarter of that size, without and with a host tier (the rest):")
+    print("  the same with a device cache of a quarter of that size, without and with a host tier (the rest);")
+    print("  last, a host tier of a ninth of that over a disk tier (disk: the share of hit tokens only the disk gave):")
     for name, config in patterns(small=True).items():
         small, _ = _serve(config, requests, 1.5)
         tiered, _ = _serve(config, requests, 1.5, host_scale=4.5)
-        print(f"    {name:<18} device only {small:.3f}, with a host tier {tiered:.3f} ({tiered / max(small, 1e-9):.2f}x)")
+        disk_share = []
+        disked, _ = _serve(config, requests, 1.5, host_scale=0.5, disk=disk_share)
+        print(f"    {name:<18} device only {small:.3f}, with a host tier {tiered:.3f} ({tiered / max(small, 1e-9):.2f}x), "
+              f"a ninth of it {_serve(config, requests, 1.5, host_scale=0.5)[0]:.3f}, over a disk tier {disked:.3f} "
+              f"(disk {disk_share[0]:.2f})")
         floor(f"{name} hit rate, a quarter-size device cache with a host tier, vs the oracle",
               tiered / (oracle_tokens / prompt_tokens), 0.9)
+        floor(f"{name} hit rate, a ninth of that host tier over a disk tier, vs the oracle",
+              disked / (oracle_tokens / prompt_tokens), 0.9)
 
 
-def _serve(config, requests, scale: float, host_scale: float = 0) -> tuple[float, str]:
+def _serve(config, requests, scale: float, host_scale: float = 0, disk: list | None = None) -> tuple[float, str]:
     """The hit rate of serving `requests` with a device cache of `scale` sequences' worth of
-    blocks per live conversation (and a HybridHostTier of `host_scale` when given)."""
+    blocks per live conversation (and a HybridHostTier of `host_scale` when given; with
+    `disk`, a list, a HybridDiskTier below it and the share of hit tokens only the disk gave
+    appended to the list)."""
     gpu = HostBackend()
     layout = GroupLayout(config)
     live = 4  # conversations decoding at once
@@ -154,7 +170,11 @@ def _serve(config, requests, scale: float, host_scale: float = 0) -> tuple[float
     if host_scale:
         tier = HybridHostTier(cache, [None if n is None else int(n * live * host_scale) for n in per_seq], gpu,
                               num_state_slots=int(slots * host_scale / scale) if layout.state_groups() else None)
-    prefix = PrefixCache(cache, host_tier=tier)
+    directory = disk_tier = None
+    if disk is not None:
+        directory = tempfile.mkdtemp(prefix="pagedkv-bench-hdisk-")
+        disk_tier = HybridDiskTier(directory, 1 << 28)
+    prefix = PrefixCache(cache, host_tier=tier, disk_tier=disk_tier)
     table = SequenceTable(cache, prefix)
     hits = 0
     active: list[int] = []
@@ -170,7 +190,13 @@ def _serve(config, requests, scale: float, host_scale: float = 0) -> tuple[float
     for i in active:
         table.free(i)
     groups = ", ".join(f"{g.kind} {cache.num_blocks(group=k):,}" for k, g in enumerate(layout.groups))
+    if disk is not None:
+        stats = prefix.stats()
+        disk.append(stats.disk_hit_tokens / max(stats.hit_tokens, 1))
     prefix.close()
+    if disk_tier is not None:
+        disk_tier.close()
+        shutil.rmtree(directory, ignore_errors=True)
     if tier is not None:
         tier.release(gpu)
     cache.release(gpu)

@@ -32,8 +32,16 @@ prompt's first block: vLLM's placement when keys are given in position order.
 Host tier (`PrefixCache(cache, host_tier=HybridHostTier(...))`, `hybrid_tiering`): an
 evicted entry is demoted to its group's host tier instead of dropped; the match rule counts
 a host-held entry as present (`HybridMatch.host_entries`, `host_num_tokens`), and
-`SequenceTable.add` promotes the host entries of every group it reuses in one swap. Not
-here yet: the disk tier (refused at construction).
+`SequenceTable.add` promotes the host entries of every group it reuses in one swap.
+
+Disk tier (`PrefixCache(cache, host_tier=..., disk_tier=HybridDiskTier(directory, ...))`,
+`hybrid_disk_tiering`): one `DiskTier` per group (as the host tier is one `HostTier` per
+group), in subdirectories of one directory that records the grouping. Host entries the host
+LRU drops are written to their group's disk tier (sliding blocks no hit can use are not);
+the match rule counts a disk-held entry as present (`HybridMatch.disk_entries`,
+`disk_num_tokens`); `SequenceTable.add` reads a match's disk entries into host blocks and
+promotes them with its host entries in the same one swap; a directory of the same grouping
+comes up warm. `stats()` reports hits per tier and the moves per group.
 """
 
 from __future__ import annotations
@@ -50,7 +58,9 @@ from .block_keys import BlockKeys, block_keys, salted_root_hash
 from ..core.streams import stream_handle
 from ..tiers.hybrid_host_tier import check_tier_of
 from .events import EventQueue
+from .hybrid_disk_tiering import NO_DISK, HybridDiskTiering
 from .hybrid_tiering import HybridTiering
+from .stats import HybridPrefixCacheStats
 from .hashing import chain_digest, root_hash
 from .tree import adapter_id_checked
 from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, block_digest, resolve_seed
@@ -127,8 +137,14 @@ class HybridMatch(NamedTuple):
     `group_blocks[g]` (or `checkpoints[g]`) is -1 and `host_entries[g]` lists `(index,
     host id)` for it (index 0 for a state group's checkpoint); the match pins it on the
     host (not dropped) until `release` or `SequenceTable.add`, which promotes it.
-    `host_num_tokens`: how many of `num_tokens` only the host entries make a hit (p minus
-    the longest hit the device entries alone give)."""
+    `host_num_tokens`: how many of `num_tokens` only the host entries make a hit (the
+    longest hit of device and host entries minus the longest of device entries alone).
+
+    With a disk tier likewise: a disk-held entry's place is -1, `disk_entries[g]` lists
+    `(index, disk slot)` for it (slots of group g's `DiskTier`), pinned until `release` or
+    `SequenceTable.add`; `disk_num_tokens`: how many of `num_tokens` only the disk entries
+    make a hit (p minus the longest hit of device and host entries). `disk_nodes[g]`: the
+    trie nodes of `disk_entries[g]`, opaque, for the promotion's checks."""
 
     blocks: list
     num_tokens: int
@@ -138,16 +154,21 @@ class HybridMatch(NamedTuple):
     shared_tokens: int = 0
     host_entries: tuple = ()
     host_num_tokens: int = 0
+    disk_entries: tuple = ()
+    disk_num_tokens: int = 0
+    disk_nodes: tuple = ()
 
 
 class _Node:
-    __slots__ = ("parent", "key", "depth", "children", "entries", "lower", "hash", "adapter_id", "extra", "digests")
+    __slots__ = ("parent", "key", "depth", "children", "entries", "lower", "disk", "hash", "adapter_id", "extra",
+                 "digests")
 
     def __init__(self, parent, key: bytes, depth: int, hash_: int, adapter_id: int, extra: tuple = ()):
         self.parent, self.key, self.depth, self.hash, self.adapter_id = parent, key, depth, hash_, adapter_id
         self.children: dict[bytes, _Node] = {}
         self.entries: dict[int, int] = {}
         self.lower: dict[int, int] = {}  # group -> host id of an entry held on the host tier
+        self.disk: dict[int, int] = NO_DISK  # group -> disk slot of an entry on the disk tier (set_disk)
         # the unit's extra keys (a root: its salt as given, or ()); vLLM digests per block size
         self.extra = extra
         self.digests: dict[int, bytes] | None = None
@@ -177,16 +198,27 @@ class _GroupReclaimer:
 
 class HybridPrefixCache:
     """A prefix cache over one `HybridKvCache` (see the module docstring). `PrefixCache(cache)`
-    builds one for a hybrid cache (`host_tier`: a `HybridHostTier` of the cache; `disk_tier`
-    is refused there)."""
+    builds one for a hybrid cache (`host_tier`: a `HybridHostTier` of the cache; `disk_tier`:
+    a `HybridDiskTier` below it)."""
 
     def __init__(self, cache: HybridKvCache, on_event: Callable | None = None, hash_scheme: str = DEFAULT_SCHEME,
-                 hash_seed: str | None = None, host_tier=None, swap_stream: object = 0):
+                 hash_seed: str | None = None, host_tier=None, swap_stream: object = 0, disk_tier=None):
         """`hash_scheme` and `hash_seed` as `PrefixCache`'s (see the module docstring).
         `host_tier`: a `HybridHostTier` of `cache` to demote evicted entries into;
-        `swap_stream`: the stream demotions are enqueued on."""
+        `swap_stream`: the stream demotions are enqueued on. `disk_tier`: a `HybridDiskTier`
+        below the host tier, bound here (the last check: a directory of another grouping or
+        layout is refused, `DiskLayoutMismatch` naming the fields, nothing changed); one of
+        the same grouping comes up warm."""
         if not isinstance(cache, HybridKvCache):
             raise TypeError(f"cache must be a HybridKvCache, got {type(cache).__name__}")
+        if disk_tier is not None:
+            from ..tiers.hybrid_disk_tier import HybridDiskTier
+
+            if not isinstance(disk_tier, HybridDiskTier):
+                raise TypeError(f"disk_tier of a cache with layer_groups must be a HybridDiskTier, "
+                                f"got {type(disk_tier).__name__}")
+            if host_tier is None:
+                raise ValueError("a disk tier sits below a host tier: give host_tier=HybridHostTier(...) too")
         if host_tier is not None:
             check_tier_of(host_tier, cache)
             stream_handle(swap_stream)
@@ -208,6 +240,7 @@ class HybridPrefixCache:
         self._match_unit = layout.unit
         self._ratio = {g: layout.block_size(g) // self._unit for g in attention}
         self._states = layout.state_groups()
+        spans = [layout.block_size(g) if group.is_attention() else self._unit for g, group in enumerate(self._groups)]
         self._guard = ThreadGuard("this PrefixCache")
         self._events = EventQueue(on_event, self._guard)
         self._roots: dict[int, _Node] = {}
@@ -229,12 +262,30 @@ class HybridPrefixCache:
         # a second thread's call raises ConcurrentUseError (as PagedKvCache's do under PrefixCache)
         cache._take_guard(self._guard, self._events.pending, self.deliver_events)
         self.hits = self.queries = self.hit_tokens = self.query_tokens = 0
-        self.host_hits = self.host_hit_tokens = 0
+        self.host_hits = self.host_hit_tokens = self.disk_hits = self.disk_hit_tokens = 0
+        self._evictions = [0] * len(self._groups)
         self._tiering: HybridTiering | None = None
-        if host_tier is not None:
-            self._tiering = HybridTiering(self, host_tier, swap_stream)
-            for g in range(len(self._groups)):  # its cached host ids are freed from within this cache only
-                host_tier.group(g).attach_owner(self._guard)
+        self._disk: HybridDiskTiering | None = None
+        owned = []
+        try:
+            if host_tier is not None:
+                self._tiering = HybridTiering(self, host_tier, swap_stream)
+                for g in range(len(self._groups)):  # its cached host ids are freed from within this cache only
+                    host_tier.group(g).attach_owner(self._guard)
+                    owned.append(g)
+            # the last check: another grouping or layout refused, nothing read then
+            records = disk_tier.bind(host_tier, spans) if disk_tier is not None else None
+        except BaseException:
+            for g in owned:
+                host_tier.group(g).detach_owner(self._guard)
+            cache._drop_guard()
+            for g, rec in enumerate(self._reclaimers):
+                self._allocator(g).detach_reclaimer(rec)
+            raise
+        if disk_tier is not None:
+            self._disk = self._tiering.disk = HybridDiskTiering(self, disk_tier, self._tiering)
+            self._disk.restore(records, spans)
+        self._counted = (self._tiering, self._disk)  # their counters outlive a released or closed tier
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -254,12 +305,54 @@ class HybridPrefixCache:
         g = self._layout.check_group(group)
         return len(self._tiering.by_host[g]) if self._tiering is not None else 0
 
+    def disk_tier(self):
+        """The `HybridDiskTier` below the host tier (None without one, or once it was closed:
+        the next call forgets its entries; the directory keeps them)."""
+        return self._disk.disk if self._disk is not None else None
+
+    def num_disk_entries(self, group: int) -> int:
+        """Entries of `group` held on the disk tier (0 without one)."""
+        g = self._layout.check_group(group)
+        return self._disk.num_entries(g) if self._disk is not None else 0
+
+    def _span(self, g: int) -> int:
+        """Tokens an entry of group g ends: an attention block, or a state group's last unit."""
+        return self._layout.block_size(g) if self._groups[g].is_attention() else self._unit
+
+    def stats(self) -> HybridPrefixCacheStats:
+        """Counters since construction and entries now, per tier (see `HybridPrefixCacheStats`)."""
+        n = len(self._groups)
+        t, d = self._counted
+        zeros = (0,) * n
+        disk_stats = d.disk.stats() if d is not None else []
+        now_t, now_d = self._tiering, self._disk
+        hits = self.hit_tokens
+        return HybridPrefixCacheStats(
+            queries=self.queries, queried_tokens=self.query_tokens, hit_tokens=hits,
+            hit_rate=hits / self.query_tokens if self.query_tokens else 0.0,
+            device_hit_tokens=hits - self.host_hit_tokens - self.disk_hit_tokens,
+            host_hit_tokens=self.host_hit_tokens, disk_hit_tokens=self.disk_hit_tokens,
+            cached_entries=tuple(len(w) for w in self._where),
+            host_cached_entries=tuple(len(b) for b in now_t.by_host) if now_t is not None else zeros,
+            disk_cached_entries=tuple(len(b) for b in now_d.by_slot) if now_d is not None else zeros,
+            evictions=tuple(self._evictions),
+            demotions=tuple(t.demotions) if t is not None else zeros,
+            promotions=tuple(t.promotions) if t is not None else zeros,
+            host_evictions=tuple(t.host_drops) if t is not None else zeros,
+            disk_demotions=tuple(d.stores) if d is not None else zeros,
+            disk_promotions=tuple(d.loads) if d is not None else zeros,
+            disk_evictions=tuple(d.drops) if d is not None else zeros,
+            disk_skipped_writes=tuple(x.skipped_writes for x in disk_stats) or zeros,
+            disk_failed_writes=tuple(x.failed_writes for x in disk_stats) or zeros,
+            disk_failed_reads=tuple(x.failed_reads for x in disk_stats) or zeros,
+        )
+
     def tier_counts(self) -> dict[str, int]:
         """Moves between the tiers since construction: `demotions`, `promotions` and
         `host_drops` (entries), `host_hits` (matches a host entry made or lengthened) and
         `host_hit_tokens` (their `host_num_tokens`)."""
         t = self._tiering
-        moves = (t.demotions, t.promotions, t.host_drops) if t is not None else (0, 0, 0)
+        moves = (sum(t.demotions), sum(t.promotions), sum(t.host_drops)) if t is not None else (0, 0, 0)
         return dict(zip(("demotions", "promotions", "host_drops"), moves), host_hits=self.host_hits,
                     host_hit_tokens=self.host_hit_tokens)
 
@@ -389,9 +482,10 @@ class HybridPrefixCache:
             path.append(node)
         return path
 
-    def _best(self, path: list[_Node], limit: int, host: bool = True) -> int:
+    def _best(self, path: list[_Node], limit: int, host: int = 2) -> int:
         """The longest p the match rule allows along `path`, at most `limit` (0 when none);
-        an entry on the host counts as present when `host`."""
+        `host`: the lowest tier whose entries count as present (0 the device, 1 the host,
+        2 the disk)."""
         u, L = self._unit, self._match_unit
         depth = len(path)
         full_until, missing = {}, {}
@@ -426,20 +520,22 @@ class HybridPrefixCache:
         return 0
 
     @staticmethod
-    def _present(node: _Node, g: int, host: bool) -> bool:
-        return g in node.entries or (host and g in node.lower)
+    def _present(node: _Node, g: int, host: int) -> bool:
+        return g in node.entries or (host > 0 and g in node.lower) or (host > 1 and g in node.disk)
 
     @guarded
     def match(self, tokens: Sequence[int], adapter_id: int = 0, limit: int | None = None,
               cache_salt: str | bytes | None = None, extra_keys=None, *, keys: BlockKeys | None = None,
-              refresh_host: bool = True) -> HybridMatch:
+              refresh_host: bool = True, disk: bool = True) -> HybridMatch:
         """The longest hybrid prefix of `tokens` (ending at most at `limit`, default all of
         them) under the match rule, with one reference taken on each block and checkpoint
         it lists (give them back with `release`, or hand the match to `SequenceTable.add`).
         `cache_salt` and `extra_keys` as for `PrefixCache.match` (`keys`: them already
         checked, a `BlockKeys` at the unit, as the table passes them). Host entries it lists
         are pinned, and their recency refreshed unless `refresh_host` is False (the table's
-        add, which promotes them or leaves the host tier as it was)."""
+        add, which promotes them or leaves the host tier as it was); so are disk entries.
+        `disk=False`: disk-held entries do not count (the table's add when its host tiers
+        had no room to stage a disk hit)."""
         self._check_open("match")
         tokens = token_ids(tokens, "tokens")
         adapter_id = adapter_id_checked(adapter_id)
@@ -447,8 +543,10 @@ class HybridPrefixCache:
         self._check_tier()
         limit = len(tokens) if limit is None else min(int(limit), len(tokens))
         path = self._path(tokens, limit, adapter_id, keys)
-        p = self._best(path, limit)
-        host_tokens = p - self._best(path, p, host=False) if p and self._tiering is not None else 0
+        p = self._best(path, limit, host=2 if disk else 1)
+        upper = self._best(path, p, host=1) if p and self._disk is not None and disk else p
+        host_tokens = upper - self._best(path, upper, host=0) if upper and self._tiering is not None else 0
+        disk_tokens = p - upper
         self.queries += 1
         self.query_tokens += len(tokens)
         if p:
@@ -457,7 +555,10 @@ class HybridPrefixCache:
         if host_tokens:
             self.host_hits += 1
             self.host_hit_tokens += host_tokens
-        group_blocks, checkpoints, first, hosted = [], [], [], []
+        if disk_tokens:
+            self.disk_hits += 1
+            self.disk_hit_tokens += disk_tokens
+        group_blocks, checkpoints, first, hosted, on_disk, disk_nodes = [], [], [], [], [], []
         for g, group in enumerate(self._groups):
             if not group.is_attention():
                 group_blocks.append([])
@@ -469,10 +570,19 @@ class HybridPrefixCache:
                 nodes = [path[(i + 1) * r - 1] for i in span]
                 first.append(span.start if p else 0)
             ids = [node.entries.get(g, -1) for node in nodes]
-            pairs = tuple((i, node.lower[g]) for i, node in enumerate(nodes) if ids[i] == -1)
+            pairs = tuple((i, node.lower[g]) for i, node in enumerate(nodes) if ids[i] == -1 and g in node.lower)
+            below = [(i, node) for i, node in enumerate(nodes) if ids[i] == -1 and g not in node.lower]
             self._take(g, [x for x in ids if x != -1])
             self._hold(g, pairs, refresh_host)
             hosted.append(pairs)
+            slots = tuple((i, node.disk[g]) for i, node in below)
+            if slots:
+                for _, slot in slots:
+                    self._disk.pin(g, slot)
+                if refresh_host:
+                    self._disk.touch(g, [slot for _, slot in reversed(slots)])
+            on_disk.append(slots)
+            disk_nodes.append(tuple(node for _, node in below))
             if group.is_attention():
                 checkpoints.append(None)
                 group_blocks.append(ids)
@@ -480,7 +590,7 @@ class HybridPrefixCache:
                 checkpoints.append(ids[0] if ids else None)
         shared = max(p, (len(path) * self._unit // self._match_unit) * self._match_unit)
         return HybridMatch(group_blocks[0], p, tuple(group_blocks), tuple(checkpoints), tuple(first), shared,
-                           tuple(hosted), host_tokens)
+                           tuple(hosted), host_tokens, tuple(on_disk), disk_tokens, tuple(disk_nodes))
 
     def _hold(self, g: int, pairs: tuple, refresh: bool) -> None:
         """Pin a match's host entries of group g and (`refresh`) refresh their recency (the
@@ -493,17 +603,30 @@ class HybridPrefixCache:
                 tiering.tier.group(g).touch([host for _, host in reversed(pairs)])
 
     @guarded
-    def promote(self, found: HybridMatch, stream: object, wait: bool) -> HybridMatch:
-        """`found` with every group's host entries promoted to fresh device ids in ONE swap
-        on `stream` (see `hybrid_tiering.HybridTiering.promote`); `found` itself when it has
-        none. Nothing changes when it fails. Called by `SequenceTable.add` inside its guard."""
-        if self._tiering is None or not any(found.host_entries):
+    def promote(self, found: HybridMatch, stream: object, wait: bool) -> HybridMatch | None:
+        """`found` with every group's host and disk entries promoted to fresh device ids in
+        ONE swap on `stream` (see `hybrid_tiering.HybridTiering.promote`); `found` itself
+        when it has none. Nothing changes when it fails. None when a disk entry failed its
+        read or is gone (dropped; release `found` and match again). Called by
+        `SequenceTable.add` inside its guard."""
+        if self._tiering is None or not (any(found.host_entries) or any(found.disk_entries)):
             return found
         self._check_open("promote")
+        self._check_tier()
+        if self._tiering is None:  # the host tier was released since the match: match again
+            return None
         return self._tiering.promote(found, stream, wait)
 
     def _check_tier(self) -> None:
-        """A released host tier: forget its entries, go on device-only (as `PrefixCache` does)."""
+        """A released host tier: forget its entries (and the disk tier's below it), go on
+        device-only (as `PrefixCache` does); a closed disk tier: forget its entries, go on
+        with two tiers. Takes the disk tier's finished writes (a failed one drops its entry)."""
+        if self._disk is not None:
+            if not self._disk.live() or (self._tiering is not None and not self._tiering.live()):
+                self._disk.forget_all()
+                self._tiering.disk = self._disk = None
+            else:
+                self._disk.poll()
         if self._tiering is not None and not self._tiering.live():
             self._tiering.forget_released()
             for g in range(len(self._groups)):
@@ -530,6 +653,10 @@ class HybridPrefixCache:
             for g, pairs in enumerate(found.host_entries):
                 for _, host in pairs:
                     self._tiering.unpin(g, host)
+        if self._disk is not None:
+            for g, pairs in enumerate(found.disk_entries):
+                for _, slot in pairs:
+                    self._disk.unpin(g, slot)
         self.deliver_events()
 
     # -- store --------------------------------------------------------------------------
@@ -579,6 +706,10 @@ class HybridPrefixCache:
                     if self._tiering.pinned(g, target.lower[g]):
                         continue
                     self._tiering.forget(g, [target.lower[g]])
+                if g in target.disk:  # held on disk: likewise
+                    if self._disk.pinned(g, target.disk[g]):
+                        continue
+                    self._disk.forget(g, target)
                 self._allocator(g).inc_ref(entry)
                 target.entries[g] = entry
                 self._where[g][entry] = target
@@ -628,7 +759,7 @@ class HybridPrefixCache:
         a chain end (a leaf) or a branch point (where chains part, as after a shared system
         prompt); a chain another has since extended is no longer an end."""
         if self._states:
-            return all(s in node.entries or s in node.lower for s in self._states)
+            return all(s in node.entries or s in node.lower or s in node.disk for s in self._states)
         return len(node.children) != 1
 
     def _useful(self, g: int, node: _Node) -> bool:
@@ -655,6 +786,7 @@ class HybridPrefixCache:
         useful = {e: sliding and self._useful(g, where[e]) for e in candidates} if sliding else {}
         candidates.sort(key=lambda e: (useful.get(e, False), last[e], -where[e].depth))
         victims = candidates[:n]
+        self._evictions[g] += len(victims)
         if self._tiering is not None:
             self._tiering.demote(g, victims, {e for e in victims if sliding and not useful[e]})
             return True
@@ -673,7 +805,7 @@ class HybridPrefixCache:
 
     def _prune(self, node: _Node | None) -> None:
         while (node is not None and node.parent is not None and not node.entries and not node.lower
-               and not node.children and node.parent.children.get(node.key) is node):
+               and not node.disk and not node.children and node.parent.children.get(node.key) is node):
             del node.parent.children[node.key]
             node = node.parent
 
@@ -699,6 +831,8 @@ class HybridPrefixCache:
         self._check_tier()
         if self._tiering is not None:
             self._tiering.forget_all()
+        if self._disk is not None:
+            self._disk.forget_all(wipe=True)  # the directory forgets them too
         self.deliver_events()
 
     @guarded
@@ -709,6 +843,9 @@ class HybridPrefixCache:
         for g in range(len(self._groups)):
             for entry in list(self._where[g]):
                 self._drop(g, entry)
+        if self._disk is not None:
+            self._disk.forget_all()  # the directory keeps them for a later process
+            self._tiering.disk = self._disk = None
         if self._tiering is not None:
             self._tiering.forget_all() if self._tiering.live() else self._tiering.forget_released()
             for g in range(len(self._groups)):
@@ -736,6 +873,10 @@ class HybridPrefixCache:
     def host_entries(self) -> list[tuple[int, tuple[int, ...], int, int]]:
         """Every entry held on the host tier, as `entries` lists them (with host ids)."""
         return self._listed(self._tiering.by_host if self._tiering is not None else [])
+
+    def disk_entries(self) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """Every entry held on the disk tier, as `entries` lists them (with disk slots)."""
+        return self._listed(self._disk.by_slot if self._disk is not None else [])
 
     def _listed(self, index) -> list[tuple[int, tuple[int, ...], int, int]]:
         out = []
@@ -765,3 +906,6 @@ class HybridPrefixCache:
                     raise KvCacheError(f"group {g} cached entry {entry} has count 0")
         if self._tiering is not None:
             self._tiering.check()
+        if self._disk is not None:
+            self._disk.poll()
+            self._disk.check()

@@ -55,6 +55,7 @@ from ..tiers.hybrid_host_tier import check_tier_of
 from . import hybrid_swap
 from .exports import ExportBuffers, Exported, SequenceQueries, page_table_of
 from .block_keys import block_keys, extra_key_ranges, with_ranges
+from .hybrid_disk_tiering import NoStagingRoom
 from .hybrid_prefix import HybridMatch, HybridPrefixCache
 from .hybrid_swap import ParkedSequence
 from .tree import adapter_id_checked
@@ -240,7 +241,9 @@ class HybridSequenceTable(SequenceQueries):
         """Start a sequence; returns the tokens reused from the prefix cache (the hybrid
         match: whole match units, never the last prompt token). With a host tier, the match's
         host-held entries of every group are first promoted to fresh device ids in ONE swap on
-        the table's stream (nothing changes when that fails). Each attention group reuses
+        the table's stream (nothing changes when that fails); with a disk tier its disk-held
+        entries too, read into host blocks first (an entry failing its read is dropped and the
+        prompt matched again; host tiers with no room to stage it: matched without the disk). Each attention group reuses
         its matched blocks (a sliding group only those its window still needs), each state
         group copies the matched checkpoint into the new live slot (zeroed without a hit) and
         is given checkpoint slots (`step_checkpoints`), branch-point blocks too (see the module
@@ -257,14 +260,27 @@ class HybridSequenceTable(SequenceQueries):
         prefix = self._prefix
         found = None
         if prefix is not None and n > 1:
-            found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys, refresh_host=False)
-            if any(found.host_entries):  # every group's host entries back in one swap, before any use
-                try:
-                    found = prefix.promote(found, self._stream if self._gpu is not None else prefix._tiering.swap_stream,
-                                           wait=self._gpu is None)
+            disk, tries = True, 0
+            while True:
+                tries += 1
+                disk = disk and tries <= 4  # entries failing their reads are dropped: bounded all the same
+                found = prefix.match(tokens, adapter_id, limit=n - 1, keys=keys, refresh_host=False, disk=disk)
+                if not (any(found.host_entries) or any(found.disk_entries)):
+                    break
+                try:  # every group's host and disk entries back in one swap, before any use
+                    promoted = prefix.promote(found, self._stream if self._gpu is not None
+                                              else prefix._tiering.swap_stream, wait=self._gpu is None)
+                except NoStagingRoom:  # the host tiers cannot take the disk hit: without the disk then
+                    prefix.release(found)
+                    disk = False
+                    continue
                 except BaseException:
                     prefix.release(found)
                     raise
+                if promoted is not None:
+                    found = promoted
+                    break
+                prefix.release(found)  # a disk entry failed its read (dropped): match again
         p = found.num_tokens if found is not None else 0
         branch = found.shared_tokens if found is not None and found.shared_tokens > p else 0
         undo = _Undo(self._groups)

@@ -10,6 +10,10 @@ when g's host tier is full, least recently used first (the tier's LRU, per group
 a match still pins. `promote` brings a match's host entries of every group back in ONE
 `swap_in` (fresh device ids, the cache's reference on them). Events carry `medium`: "GPU"
 for the device, "CPU" for the host.
+
+With a disk tier below (`disk`, a `HybridDiskTiering`), host entries the LRU drops are
+written to disk instead, and `promote` brings the match's disk entries up in the same swap
+(read into staged host blocks first; see `hybrid_disk_tiering`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ _log = get_logger("prefix_cache")
 class HybridTiering:
     """The host-tier part of one `HybridPrefixCache` (`owner`): per group, which node each host id
     holds (`by_host[g]`), the host entries pinned by outstanding matches, the moves between
-    the tiers and their counts (`demotions`, `promotions`, `host_drops`)."""
+    the tiers and their counts per group (`demotions`, `promotions`, `host_drops`)."""
 
     def __init__(self, owner: Any, tier: HybridHostTier, swap_stream: object):
         self.owner, self.tier, self.swap_stream = owner, tier, swap_stream
-        self.by_host: list[dict[int, Any]] = [{} for _ in range(tier.num_groups())]
+        n = tier.num_groups()
+        self.by_host: list[dict[int, Any]] = [{} for _ in range(n)]
         self._pins: dict[tuple[int, int], int] = {}
-        self.demotions = self.promotions = self.host_drops = 0
+        self.demotions, self.promotions, self.host_drops = [0] * n, [0] * n, [0] * n
+        self.disk = None  # the HybridDiskTiering below, when the prefix cache has a disk tier
 
     # -- pins -----------------------------------------------------------------------------
 
@@ -59,7 +65,21 @@ class HybridTiering:
         first): those in `useless` and those the host tier has no room for (every host entry
         pinned) are dropped, the others copied to host in ONE swap_out, waited for, then
         their device ids return to the free list. A swap error propagates with no device
-        entry changed (host entries dropped to make room stay dropped)."""
+        entry changed (host entries dropped to make room stay dropped). With a disk tier,
+        more victims than the host tier can take go in rounds of what it can (one swap
+        each, the least worth first, each round's host drops writing the round before to
+        disk); a swap error then leaves the earlier rounds demoted."""
+        keep = [e for e in victims if e not in useless]
+        if self.disk is not None:
+            room = self.tier.group(g).num_blocks() - sum(1 for key in self._pins if key[0] == g)
+            while room > 0 and len(keep) > room:
+                self._demote(g, keep[:room], set())
+                keep = keep[room:]
+            last = set(keep)
+            victims = [e for e in victims if e in useless or e in last]
+        self._demote(g, victims, useless)
+
+    def _demote(self, g: int, victims: list[int], useless: set[int]) -> None:
         owner, tier = self.owner, self.tier.group(g)
         keep = [e for e in victims if e not in useless]
         short = len(keep) - tier.num_free_blocks()
@@ -95,7 +115,7 @@ class HybridTiering:
             self.by_host[g][host] = node
             nodes.append(node)
         tier.touch(hosts)
-        self.demotions += len(demoted)
+        self.demotions[g] += len(demoted)
         _log.debug("prefix_cache_demoted", group=g, entries=len(demoted), dropped=len(victims) - len(demoted))
         if owner._events.consumer is not None:
             for entry, host, node in zip(demoted, hosts, nodes):
@@ -104,7 +124,8 @@ class HybridTiering:
 
     def drop(self, g: int, n: int) -> int:
         """Drop up to `n` host entries of group g, least recently used first (pinned ones
-        kept); returns how many."""
+        kept), each written to the disk tier when there is one (see `HybridDiskTiering.spill`);
+        returns how many."""
         tier, by_host = self.tier.group(g), self.by_host[g]
         gone = []
         for host in tier.oldest():
@@ -112,7 +133,10 @@ class HybridTiering:
                 break
             if not self.pinned(g, host):
                 gone.append(host)
+        written = self.disk.spill(g, [(h, by_host[h]) for h in gone]) if self.disk is not None and gone else []
         self.forget(g, gone)
+        if written:
+            self.disk.announce(g, written)
         return len(gone)
 
     def forget(self, g: int, hosts: list[int]) -> None:
@@ -124,7 +148,7 @@ class HybridTiering:
         for node in nodes:
             del node.lower[g]
         self.tier.group(g).free(hosts)
-        self.host_drops += len(hosts)
+        self.host_drops[g] += len(hosts)
         for host, node in zip(hosts, nodes):
             if owner._events.consumer is not None:
                 owner._emit(owner._removed_event(g, host, node, "CPU"))
@@ -141,7 +165,7 @@ class HybridTiering:
         for g, by_host in enumerate(self.by_host):
             for host, node in list(by_host.items()):
                 del node.lower[g]
-                self.host_drops += 1
+                self.host_drops[g] += 1
                 if owner._events.consumer is not None:
                     owner._emit(owner._removed_event(g, host, node, "CPU"))
                 owner._prune(node)
@@ -158,38 +182,114 @@ class HybridTiering:
     # -- promotion ------------------------------------------------------------------------
 
     def promote(self, found: Any, stream: Any, wait: bool) -> Any:
-        """`found` with its host entries of every group brought to fresh device ids in ONE
-        swap_in on `stream` (the host waits for it when `wait`): the cache's reference on
-        them, the caller's reference (the one the match stands for) on them too, their host
-        ids freed once the swap is done. A failure (a group out of ids, a swap error) frees
-        what was allocated and propagates with nothing changed: `found` still stands."""
-        owner = self.owner
-        host = {g: [h for _, h in pairs] for g, pairs in enumerate(found.host_entries) if pairs}
-        if not host:
+        """`found` with its host entries (and, with a disk tier, its disk entries, read into
+        staged host blocks first) of every group brought to fresh device ids in ONE swap_in
+        on `stream` (the host waits for it when `wait`): the cache's reference on them, the
+        caller's reference (the one the match stands for) on them too, their host ids (disk
+        slots) freed once the swap is done. Disk entries beyond what the host tiers can stage
+        at once go up in further rounds (one swap each, each waited for); when the match's own
+        host entries fill a group's host tier, they go up first (kept on the device even if
+        the disk part then fails) and the disk part follows through the blocks they leave. A
+        failure (a group out of ids, a swap error, `NoStagingRoom`) frees what was allocated
+        and propagates with every entry of the match cached (where it was, or on the device):
+        the caller releases `found`. None when a disk entry is gone or failed its read
+        (dropped; the caller releases `found` and matches again)."""
+        disk = self.disk
+        hosted = {g: list(pairs) for g, pairs in enumerate(found.host_entries) if pairs}
+        below: dict[int, list] = {}
+        if disk is not None and any(getattr(found, "disk_entries", ())):
+            below = disk.wanted(found)
+            if below is None:
+                return None
+        if not hosted and not below:
             return found
+        if below and hosted and any(self.room(g) == 0 for g in below):
+            # the match's own host entries fill a group's host tier: they go up first (one
+            # swap, kept), then the disk part through the host blocks they leave
+            mid = self._promote(found, hosted, {}, stream, True)
+            try:
+                out = self._promote(mid, {}, below, stream, wait)
+            except BaseException:
+                self._let_go(found, mid)
+                raise
+            if out is None:
+                self._let_go(found, mid)
+            return out
+        return self._promote(found, hosted, below, stream, wait)
+
+    def room(self, g: int) -> int:
+        """Host blocks of group g free or held by entries no match pins (what staging may use)."""
+        tier = self.tier.group(g)
+        return tier.num_free_blocks() + tier.num_cached_blocks() - sum(1 for key in self._pins if key[0] == g)
+
+    def _let_go(self, found: Any, mid: Any) -> None:
+        """Drop the caller's references `mid` took beyond `found`'s (host entries promoted by
+        a first step): `found` is what the caller releases."""
+        owner = self.owner
+        for g, pairs in enumerate(found.host_entries):
+            if not pairs:
+                continue
+            if owner._groups[g].is_attention():
+                ids = [mid.group_blocks[g][i] for i, _ in pairs]
+            else:
+                ids = [mid.checkpoints[g]]
+            owner._allocator(g).free_blocks(ids)
+
+    def _promote(self, found: Any, hosted: dict, below: dict, stream: Any, wait: bool) -> Any:
+        owner, disk = self.owner, self.disk
         fresh: dict[int, list[int]] = {}
         handle = None
+        staged: dict = {}
         try:
-            for g, ids in host.items():
-                fresh[g] = owner._cache.group(g).alloc_blocks(len(ids))
-            handle = self.tier.swap_in(host, fresh, stream)
-            if wait:
-                handle.wait()
-            handle.done()  # an error polling it raises here, before anything changed
+            for g in set(hosted) | set(below):
+                fresh[g] = owner._cache.group(g).alloc_blocks(len(hosted.get(g, ())) + len(below.get(g, ())))
+            done = {g: 0 for g in below}
+            first = True
+            while first or any(done[g] < len(items) for g, items in below.items()):
+                staged = disk.stage({g: items[done[g]:] for g, items in below.items()}) if below else {}
+                if staged is None:
+                    staged = {}
+                    for g, ids in fresh.items():
+                        owner._cache.group(g).free_blocks(ids)
+                    return None
+                host, device = {}, {}
+                for g, pairs in (hosted.items() if first else ()):
+                    host[g], device[g] = [h for _, h in pairs], fresh[g][:len(pairs)]
+                for g, items in staged.items():
+                    at = len(hosted.get(g, ())) + done[g]
+                    host[g] = host.get(g, []) + [h for _, h, _, _ in items]
+                    device[g] = device.get(g, []) + fresh[g][at:at + len(items)]
+                    done[g] += len(items)
+                last = not any(done[g] < len(items) for g, items in below.items())
+                handle = self.tier.swap_in(host, device, stream)
+                if wait or not last:
+                    handle.wait()
+                handle.done()  # an error polling it raises here, before anything changed
+                if staged:
+                    disk.unstage(staged, handle, failed=False)
+                    staged = {}
+                first = False
         except BaseException:
             if handle is not None:
                 self.tier.group(0).keep(handle)
             for g, ids in fresh.items():
                 owner._cache.group(g).free_blocks(ids)
+            if staged:
+                disk.unstage(staged, handle)
             raise
-        self.tier.free(host, after=handle)
+        if hosted:
+            self.tier.free({g: [h for _, h in pairs] for g, pairs in hosted.items()}, after=handle)
         blocks, checkpoints = [list(b) for b in found.group_blocks], list(found.checkpoints)
-        for g, pairs in enumerate(found.host_entries):
+        for g, ids in fresh.items():
             alloc = owner._allocator(g)
-            for (index, h), new in zip(pairs, fresh.get(g, ())):
-                self.unpin(g, h)
-                node = self.by_host[g].pop(h)
-                del node.lower[g]
+            moves = [(index, h, None, None) for index, h in hosted.get(g, ())] + list(below.get(g, ()))
+            for (index, h, slot, node), new in zip(moves, ids):
+                if slot is None:
+                    self.unpin(g, h)
+                    node = self.by_host[g].pop(h)
+                    del node.lower[g]
+                else:
+                    disk.promoted(g, slot, node)
                 node.entries[g] = new
                 owner._where[g][new] = node
                 alloc.inc_ref(new)  # the cache's own; the caller keeps the allocation's
@@ -199,10 +299,14 @@ class HybridTiering:
                 else:
                     checkpoints[g] = new
                 if owner._events.consumer is not None:
-                    owner._emit(owner._removed_event(g, h, node, "CPU"))
+                    if slot is None:
+                        owner._emit(owner._removed_event(g, h, node, "CPU"))
                     owner._emit(owner._node_stored_event(g, new, node, "GPU"))
-        self.promotions += sum(len(ids) for ids in fresh.values())
+            self.promotions[g] += len(hosted.get(g, ()))
         empty = tuple(() for _ in found.host_entries)
+        if below or not any(getattr(found, "disk_entries", ())):
+            return found._replace(blocks=blocks[0], group_blocks=tuple(blocks), checkpoints=tuple(checkpoints),
+                                  host_entries=empty, disk_entries=empty, disk_nodes=empty)
         return found._replace(blocks=blocks[0], group_blocks=tuple(blocks), checkpoints=tuple(checkpoints),
                               host_entries=empty)
 

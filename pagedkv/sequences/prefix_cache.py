@@ -103,8 +103,8 @@ class PrefixCache(RetentionApi):
 
     Over a `HybridKvCache` it is a `HybridPrefixCache` (`pagedkv.sequences.hybrid_prefix`:
     the cross-group match rule; `hash_scheme` / `hash_seed` taken as here; `host_tier` a
-    `HybridHostTier`, see `pagedkv.sequences.hybrid_tiering`); a disk tier is refused there
-    (KvCacheError)."""
+    `HybridHostTier`, see `pagedkv.sequences.hybrid_tiering`; `disk_tier` a `HybridDiskTier`,
+    see `pagedkv.sequences.hybrid_disk_tiering`)."""
 
     def __new__(cls, cache=None, on_event=None, host_tier=None, swap_stream=0, disk_tier=None, **options):
         if cls is PrefixCache and isinstance(cache, HybridKvCache):
@@ -112,10 +112,8 @@ class PrefixCache(RetentionApi):
             others = sorted(set(options) - set(schemes))
             if others:
                 raise KvCacheError(f"a cache with layer_groups does not take {', '.join(others)} yet")
-            if disk_tier is not None:
-                raise KvCacheError("a disk tier does not support a cache with layer_groups yet: "
-                                   "build the hybrid PrefixCache without disk_tier")
-            return HybridPrefixCache(cache, on_event, host_tier=host_tier, swap_stream=swap_stream, **schemes)
+            return HybridPrefixCache(cache, on_event, host_tier=host_tier, swap_stream=swap_stream, disk_tier=disk_tier,
+                                     **schemes)
         return super().__new__(cls)
 
     def __init__(self, cache: PagedKvCache, on_event: Callable[[PrefixCacheEvent], None] | None = None,

@@ -43,6 +43,52 @@ class PrefixCacheStats:
     evictions_by_priority: Mapping[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class HybridPrefixCacheStats:
+    """A hybrid prefix cache's counters since construction (`HybridPrefixCache.stats()`).
+
+    Per match (one number): `queries`, `queried_tokens`, `hit_tokens` (the match lengths,
+    over every tier), `hit_rate` (hit / queried tokens, 0.0 before any query) and how the
+    hit tokens split by the lowest tier a match needed: `device_hit_tokens` (device entries
+    alone gave them), `host_hit_tokens` (host entries made or lengthened the hit: the longest
+    hit of device and host entries minus that of device entries), `disk_hit_tokens` (the
+    match minus the longest hit of device and host entries). They add up to `hit_tokens`.
+
+    Per group (a tuple, one entry per group; entries are blocks, or a state group's
+    checkpoint slots): entries cached now on the device (`cached_entries`), the host
+    (`host_cached_entries`) and disk (`disk_cached_entries`); device entries evicted
+    (`evictions`: demoted or dropped), demoted to the host (`demotions`), promoted from the
+    host to the device (`promotions`), host entries leaving the host tier for room
+    (`host_evictions`: written to disk or dropped), written to disk (`disk_demotions`:
+    queued for writing), promoted from disk to the device through staged host blocks
+    (`disk_promotions`, not counted in `promotions`), disk entries dropped for room
+    (`disk_evictions`); and the disk tier's degradations, each of which only made an entry
+    "not cached": writes skipped (`disk_skipped_writes`: its queue full), writes failed
+    (`disk_failed_writes`), reads dropped (`disk_failed_reads`). All 0 for a tier the cache
+    does not have."""
+
+    queries: int
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    device_hit_tokens: int
+    host_hit_tokens: int
+    disk_hit_tokens: int
+    cached_entries: tuple
+    host_cached_entries: tuple
+    disk_cached_entries: tuple
+    evictions: tuple
+    demotions: tuple
+    promotions: tuple
+    host_evictions: tuple
+    disk_demotions: tuple
+    disk_promotions: tuple
+    disk_evictions: tuple
+    disk_skipped_writes: tuple
+    disk_failed_writes: tuple
+    disk_failed_reads: tuple
+
+
 class PrefixCounters:
     """What a prefix cache has done since it was made; the parts (eviction, tiering) add
     to the fields they own. They outlive a released host tier."""

@@ -2,7 +2,8 @@
 in the device pools' layout (or a smaller format, `tier_codec`), filled and read back by
 batched swaps, and `HybridHostTier` (`hybrid_host_tier`) a HostTier per group of a hybrid
 cache; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): slots
-in a directory below a host tier, kept across restarts; `KvTransfer`
+in a directory below a host tier, kept across restarts, and `HybridDiskTier`
+(`hybrid_disk_tier`) a DiskTier per group of a hybrid cache; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
 imported lazily), `HybridKvTransfer` (`hybrid_transfer`) one per group of a hybrid cache.
 

@@ -101,7 +101,7 @@ def differences(mine: dict, theirs: dict) -> list[str]:
     if len(a_rows) != len(b_rows):
         out.append(f"region rows: here {len(a_rows)}, directory {len(b_rows)}")
     for i, (a, b) in enumerate(zip(a_rows, b_rows)):
-        for key in ("layer", "side", "dtype", "num_kv_heads", "head_dim", "stride"):
+        for key in ("layer", "side", "tensor", "dtype", "num_kv_heads", "head_dim", "shape", "stride"):
             if a.get(key) != b.get(key):
                 out.append(f"row {i} (layer {a.get('layer')} {a.get('side')}) {key}: here {a.get(key)!r}, "
                            f"directory {b.get(key)!r}")

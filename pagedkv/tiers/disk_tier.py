@@ -122,34 +122,25 @@ class DiskTier:
 
     # -- binding --------------------------------------------------------------------------
 
-    def bind(self, host_tier: Any) -> list[IndexRecord]:
+    def bind(self, host_tier: Any, block_size: int | None = None) -> list[IndexRecord]:
         """Open the directory for `host_tier`'s blocks (once; PrefixCache does it). Refuses
         another layout (DiskLayoutMismatch, nothing read), a format other than the host
         tier's, a second writer; returns the stored records of live slots, oldest first, for
-        the prefix cache to rebuild its chains from (it frees those it cannot use)."""
+        the prefix cache to rebuild its chains from (it frees those it cannot use).
+        `block_size`: tokens per record (default: the host tier's cache's block size; given
+        for a state group's tier of a hybrid cache, whose records end one match unit)."""
         if self._bound:
             raise KvCacheError(f"{self.label()} is already bound to a prefix cache")
         if self._closed:
             raise KvCacheError(f"{self.label()} is closed")
-        if self._format is not None and self._format != host_tier.format_name():
-            raise ValueError(
-                f"DiskTier(format={self._format!r}) stores the host tier's blocks, which hold "
-                f"{host_tier.format_name()!r}: give format={self._format!r} to the HostTier (blocks are encoded "
-                "on the device, once, on the way down)")
-        config = host_tier.cache().config()
-        layout = disk_layout.describe(host_tier.rows(), config.block_size, config.v_aliases_k,
-                                      host_tier.format_name(), self._compression, config.layout,
-                                      config.kv_scales())
+        layout, block_size = self.describe_for(host_tier, block_size)
+        self.check_layout(layout)
+        existing = disk_layout.read_layout(self._directory)
         self._layout = layout
         self._fingerprint = disk_layout.fingerprint(layout)
         self._slot_bytes = layout["slot_bytes"]
         self._block_bytes = layout["block_bytes"]
-        self._block_size = config.block_size
-        existing = disk_layout.read_layout(self._directory)
-        if existing is not None:
-            diffs = disk_layout.differences(layout, disk_layout.comparable(existing))
-            if diffs:
-                raise DiskLayoutMismatch(f"{self._directory} holds blocks of another layout: " + "; ".join(diffs))
+        self._block_size = block_size
         if self._capacity is not None:
             slots = self._capacity // self._slot_bytes
             if slots < 1:
@@ -179,6 +170,36 @@ class DiskTier:
         _log.info("disk_tier_opened", directory=self._directory, slots=self._num_slots, slot_bytes=self._slot_bytes,
                   restored=len(restored), writable=self.is_writable(), compression=self._compression)
         return restored
+
+    def describe_for(self, host_tier: Any, block_size: int | None = None) -> tuple[dict, int]:
+        """(the layout description, tokens per record) this tier would record for
+        `host_tier`'s blocks (see `bind`); ValueError for a format other than the host tier's."""
+        if self._format is not None and self._format != host_tier.format_name():
+            raise ValueError(
+                f"DiskTier(format={self._format!r}) stores the host tier's blocks, which hold "
+                f"{host_tier.format_name()!r}: give format={self._format!r} to the HostTier (blocks are encoded "
+                "on the device, once, on the way down)")
+        config = getattr(host_tier.cache(), "config", None)
+        if config is None:  # a state group's slots: no K/V config
+            if block_size is None:
+                raise ValueError("a state group's disk tier needs block_size (tokens per record)")
+            layout = disk_layout.describe(host_tier.rows(), block_size, False, host_tier.format_name(),
+                                          self._compression)
+            return layout, positive_int(block_size, "disk tier block_size")
+        config = config()
+        block_size = config.block_size if block_size is None else positive_int(block_size, "disk tier block_size")
+        layout = disk_layout.describe(host_tier.rows(), block_size, config.v_aliases_k, host_tier.format_name(),
+                                      self._compression, config.layout, config.kv_scales())
+        return layout, block_size
+
+    def check_layout(self, layout: dict) -> None:
+        """DiskLayoutMismatch (every difference named, nothing read but `layout.json`) when
+        the directory holds blocks of a layout other than `layout`."""
+        existing = disk_layout.read_layout(self._directory)
+        if existing is not None:
+            diffs = disk_layout.differences(layout, disk_layout.comparable(existing))
+            if diffs:
+                raise DiskLayoutMismatch(f"{self._directory} holds blocks of another layout: " + "; ".join(diffs))
 
     def _open(self, exists: bool) -> list[IndexRecord]:
         """Open the files (creating them for a writer); returns the index's records."""

@@ -37,7 +37,7 @@ def test_the_table_and_prefix_cache_of_a_hybrid_cache_are_the_hybrid_ones():
     assert isinstance(table, HybridSequenceTable) and isinstance(prefix, HybridPrefixCache)
     with pytest.raises(TypeError, match="tier must be a HybridHostTier, got object"):
         PrefixCache(cache, host_tier=object())
-    with pytest.raises(KvCacheError, match="a disk tier does not support"):
+    with pytest.raises(TypeError, match="must be a HybridDiskTier, got object"):
         PrefixCache(cache, disk_tier=object())
     with pytest.raises(KvCacheError, match="HostTier does not support a cache with layer_groups"):
         HostTier(cache, 4, HostBackend())

@@ -174,7 +174,7 @@ def test_swaps_need_the_caches_own_tier_and_a_table_with_a_backend():
         bare.swap_out("a", tier)
     with pytest.raises(KeyError, match="unknown sequence 'zz'"):
         table.swap_out("zz", tier)
-    with pytest.raises(KvCacheError, match="a disk tier does not support"):
+    with pytest.raises(TypeError, match="must be a HybridDiskTier, got object"):
         PrefixCache(cache, host_tier=tier, disk_tier=object())
 
 
@@ -246,7 +246,7 @@ def test_the_readme_hybrid_state_example_runs():
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("## Hybrid caches: state slots"):readme.index("## Transfer between engines")]
     examples = re.findall(r"```py\n(.*?)```", section, flags=re.S)
-    assert len(examples) == 2  # the host tier under the prefix cache, parking a sequence
+    assert len(examples) == 3  # the host tier under the prefix cache, the disk tier below it, parking a sequence
     for example in examples:
         namespace: dict = {}
         exec(compile(example, "README.md", "exec"), namespace)
