@@ -17,6 +17,7 @@
 // rules make them; the host codec refuses them instead.
 // With a device table of KvLayer, one launch writes (or reads) the same tokens' rows of many
 // layers (a prefill, a decode step), each layer's geometry, pools and rows read from it.
+// A side may hold HND blocks (docs/LAYOUTS.md; its `hnd` flag): see kv_side_blocks.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -1117,7 +1118,8 @@ __device__ u32 kv_side(const KvSide& S, const i64* slots, int tokens, int block_
 }
 
 // One side of one layer of the layer table of pagedkv_kv_write / _read (KvLayerSide in
-// driver/kv_kernels.py); `rows` are the source rows of a write, the output rows of a read.
+// driver/kv_kernels.py); `rows` are the source rows of a write, the output rows of a read;
+// `hnd` 1: the pool holds HND blocks (kv_side_blocks).
 struct KvLayerSide {
     u64 pool;
     i64 block_stride;
@@ -1125,7 +1127,7 @@ struct KvLayerSide {
     i64 row_stride;
     int fmt, bf16;
     float scale;
-    int first, last, pad;
+    int first, last, hnd;
 };
 
 // One layer of the layer table of pagedkv_kv_write / _read (KvLayer in driver/kv_kernels.py).
@@ -1137,25 +1139,78 @@ struct KvLayer {
 };
 
 // Every side of a launch: the `num_layers` layers of the device table `layers`, or (when
-// num_layers is 0) the one layer given inline as K and V.
+// num_layers is 0) the one layer given inline as K and V, each side of NHD blocks or of HND
+// blocks (its `hnd` flag).
+//
+// An HND side: head h's chunk of a block (its `block_size` tokens' data, then their scales)
+// is byte for byte an NHD block of a one-head side (docs/LAYOUTS.md), so the side runs as
+// `heads` one-head sides, the h-th with its pool moved to chunk h (pool + h * chunk bytes;
+// the block stride unchanged) and its rows to head h (rows + h * head_dim elements; the row
+// stride unchanged). Their units follow each other in the launch's unit numbering (`start`),
+// so the warps share them as they share the sides of many layers, and every path is NHD's:
+// a chunk's accesses are as wide as a one-head NHD block's (one (token, head) is contiguous
+// in the pool and in the rows: bf16 head_dim 128, 256 bytes). One kv_side call site for
+// every side, NHD ones a loop of one head chunk: the inline sides go through the loop the
+// table's do.
+// Side e of a launch (K then V, layer after layer), as the one-head side of its HND head
+// chunk h (h < *chunks) or, NHD, as it is (*chunks 1). Built afresh for every chunk from the
+// table or the kernel's parameters, so nothing of it is live across the paths' loops.
+__device__ __forceinline__ KvSide side_chunk(const KvLayer* __restrict__ layers, int num_layers, int e, int h,
+                                             int block_size, const KvSide& k, int k_hnd, const KvSide& v, int v_hnd,
+                                             int* chunks) {
+    KvSide S;
+    int hnd;
+    if (num_layers) {
+        const KvLayer& L = layers[e >> 1];
+        const KvLayerSide& T = L.side[e & 1];
+        S = make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16, T.scale, T.first, T.last, L.heads,
+                      L.head_dim, L.inv_sqrt_n);
+        hnd = T.hnd;
+    } else {
+        S = e ? v : k;
+        hnd = e ? v_hnd : k_hnd;
+    }
+    *chunks = hnd && S.fmt >= 0 ? S.heads : 1;
+    if (*chunks > 1) {
+        const SideGeometry g = geometry(S.fmt, S.head_dim, block_size);  // one head's: its chunk
+        S.pool += (u64)(h * (g.data_section + g.scale_row_bytes * block_size));
+        S.rows += (u64)(h * ((i64)S.head_dim * (S.bf16 ? 2 : 4)));
+        S.heads = 1;
+    }
+    return S;
+}
+
+// Every side of a launch: the `num_layers` layers of the device table `layers`, or (when
+// num_layers is 0) the one layer given inline as K and V, each side of NHD blocks or of HND
+// blocks (its `hnd` flag).
+//
+// An HND side: head h's chunk of a block (its `block_size` tokens' data, then their scales)
+// is byte for byte an NHD block of a one-head side (docs/LAYOUTS.md), so the side runs as
+// `heads` one-head sides, the h-th with its pool moved to chunk h (pool + h * chunk bytes;
+// the block stride unchanged) and its rows to head h (rows + h * head_dim elements; the row
+// stride unchanged). Their units follow each other in the launch's unit numbering (`start`),
+// so the warps share them as they share the sides of many layers, and every path is NHD's:
+// a chunk's accesses are as wide as a one-head NHD block's (one (token, head) is contiguous
+// in the pool and in the rows: bf16 head_dim 128, 256 bytes). One kv_side call site for
+// every side (an NHD side is one chunk), the inline sides through the loop the table's take.
 template <bool WRITE, int FAMILY, int ONE = FMT_NVFP4, int PATH = PATH_ANY, int BATCH = 1>
 __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int num_layers, const i64* slots,
-                                         int num_tokens, int block_size, i64 limit, const KvSide& k, const KvSide& v) {
+                                         int num_tokens, int block_size, i64 limit, const KvSide& k, int k_hnd,
+                                         const KvSide& v, int v_hnd) {
     kv_load_tables();
     i64 start = 0;
-    if (num_layers == 0) {
-        u32 bad = kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(k, slots, num_tokens, block_size, limit, start);
-        return bad + kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(v, slots, num_tokens, block_size, limit, start);
-    }
     u32 bad = 0;
-    for (int l = 0; l < num_layers; l++) {
-        const KvLayer& L = layers[l];
-        for (int s = 0; s < 2; s++) {
-            const KvLayerSide& T = L.side[s];
-            bad += kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16,
-                                                    T.scale, T.first, T.last, L.heads, L.head_dim, L.inv_sqrt_n),
-                                          slots, num_tokens, block_size, limit, start);
-        }
+    // (side e, chunk h) as one counter e << 16 | h (the driver keeps heads <= 2^16 and sides
+    // < 2^15): the loop keeps one register across the paths' calls, as the table's (layer,
+    // side) loop kept two, and a side's chunk count is reloaded rather than kept
+    const int sides = num_layers ? 2 * num_layers : 2;
+    for (u32 at = 0; (int)(at >> 16) < sides;) {
+        const int e = (int)(at >> 16);
+        int chunks;
+        const KvSide S = side_chunk(layers, num_layers, e, (int)(at & 0xFFFFu), block_size, k, k_hnd, v, v_hnd, &chunks);
+        bad += kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(S, slots, num_tokens, block_size, limit, start);
+        side_chunk(layers, num_layers, e, 0, block_size, k, k_hnd, v, v_hnd, &chunks);
+        at = (int)(at & 0xFFFFu) + 1 < chunks ? at + 1 : (u32)(e + 1) << 16;
     }
     return bad;
 }
@@ -1163,16 +1218,16 @@ __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int
 #define PKV_KV_PARAMS(ROWS)                                                                                     \
     const i64 *__restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,             \
     float inv_sqrt_n, unsigned long long *nonfinite, int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_##ROWS,      \
-    i64 k_row_stride, int k_bf16, float k_scale, int k_first, int k_last, int v_fmt, u64 v_pool,                   \
+    i64 k_row_stride, int k_bf16, float k_scale, int k_first, int k_last, int k_hnd, int v_fmt, u64 v_pool,        \
     i64 v_block_stride, u64 v_##ROWS, i64 v_row_stride, int v_bf16, float v_scale, int v_first, int v_last,        \
-    const KvLayer *__restrict__ layers, int num_layers
+    int v_hnd, const KvLayer *__restrict__ layers, int num_layers
 
 #define PKV_KV_LAUNCH(WRITE, FAMILY, ROWS, ...)                                                                 \
     kv_launch<WRITE, FAMILY, ##__VA_ARGS__>(layers, num_layers, slots, num_tokens, block_size, limit,                          \
                              make_side(k_fmt, k_pool, k_block_stride, k_##ROWS, k_row_stride, k_bf16, k_scale,   \
-                                       k_first, k_last, heads, head_dim, inv_sqrt_n),                           \
+                                       k_first, k_last, heads, head_dim, inv_sqrt_n), k_hnd,                    \
                              make_side(v_fmt, v_pool, v_block_stride, v_##ROWS, v_row_stride, v_bf16, v_scale,   \
-                                       v_first, v_last, heads, head_dim, inv_sqrt_n))
+                                       v_first, v_last, heads, head_dim, inv_sqrt_n), v_hnd)
 
 // Rows encoded into their slots, every format: one layer's K and V given inline, or (a
 // prefill, or a decode step's new tokens of every layer) `num_layers` layers of the device

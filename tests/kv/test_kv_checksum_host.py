@@ -122,8 +122,10 @@ class DeviceReducing(HostBackend):
         self.calls.append("copy_d2h")
         super().copy_d2h(src, dst)
 
-    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream):
+    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream, layout, heads):
         from pagedkv.codecs import decode
+
+        assert (layout, heads) == ("NHD", 2)
         from pagedkv.core.dtype import side_bytes
 
         self.calls.append(("reduce_kv", region, tuple(int(b) for b in blocks), fmt.value, block_size, row_elements))
