@@ -170,7 +170,7 @@ def row_kernel_suffix(sides) -> str:
 
 def side_units(fmt: int, heads: int, head_dim: int, first: int, tokens: int, hnd: bool = False) -> int:
     """Warp units of one side of a launch (kv_rows.cu's side_units): what sizes the grid. A
-    side of HND blocks (`hnd`) runs as `heads` one-head sides (kv_side_blocks), each
+    side of HND blocks (`hnd`) runs as `heads` one-head sides (kv_launch in kv_rows.cu), each
     rounding its own units up."""
     if fmt < 0:
         return 0
@@ -190,7 +190,7 @@ def layers_units(table: "ctypes.Array") -> tuple[int, int]:
     per_token, fixed = 0, 0
     for entry in table:
         for side in entry.side:
-            # an HND side of several heads is that many one-head sides (kv_side_blocks)
+            # an HND side of several heads is that many one-head sides (kv_launch in kv_rows.cu)
             sides, heads = (entry.heads, 1) if side.hnd and entry.heads > 1 else (1, entry.heads)
             n = heads * entry.head_dim
             if side.fmt < 0:
