@@ -297,10 +297,10 @@ def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_
 
 MAX_LAUNCH_HEADS = 2**16 - 1
 """The most heads a layer of a row launch may have (kv_rows.cu counts (side, head chunk) in
-one 32-bit word, 16 bits each)."""
+one int, the chunk in the low 16 bits)."""
 
-MAX_LAUNCH_LAYERS = 2**15 - 1
-"""The most layers a layer table may hold (its 2 * layers sides in 16 bits)."""
+MAX_LAUNCH_LAYERS = 2**14 - 1
+"""The most layers a layer table may hold (its 2 * layers sides in the word's 15 upper bits)."""
 
 
 def _check_launch_counts(heads: int, layers: int = 1) -> None:

@@ -1200,17 +1200,17 @@ __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int
     kv_load_tables();
     i64 start = 0;
     u32 bad = 0;
-    // (side e, chunk h) as one counter e << 16 | h (the driver keeps heads <= 2^16 and sides
+    // (side e, chunk h) as one counter e << 16 | h (the driver keeps heads < 2^16 and sides
     // < 2^15): the loop keeps one register across the paths' calls, as the table's (layer,
-    // side) loop kept two, and a side's chunk count is reloaded rather than kept
+    // side) loop kept two, and a side's chunk count is reloaded rather than kept (this form
+    // is the one whose registers are NHD's or fewer, without spills: ptxas sm_90 and sm_100)
     const int sides = num_layers ? 2 * num_layers : 2;
-    for (u32 at = 0; (int)(at >> 16) < sides;) {
-        const int e = (int)(at >> 16);
+    for (int at = 0; (at >> 16) < sides;) {
         int chunks;
-        const KvSide S = side_chunk(layers, num_layers, e, (int)(at & 0xFFFFu), block_size, k, k_hnd, v, v_hnd, &chunks);
+        const KvSide S = side_chunk(layers, num_layers, at >> 16, at & 0xFFFF, block_size, k, k_hnd, v, v_hnd, &chunks);
         bad += kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(S, slots, num_tokens, block_size, limit, start);
-        side_chunk(layers, num_layers, e, 0, block_size, k, k_hnd, v, v_hnd, &chunks);
-        at = (int)(at & 0xFFFFu) + 1 < chunks ? at + 1 : (u32)(e + 1) << 16;
+        side_chunk(layers, num_layers, at >> 16, 0, block_size, k, k_hnd, v, v_hnd, &chunks);
+        at = (at & 0xFFFF) + 1 < chunks ? at + 1 : ((at >> 16) + 1) << 16;
     }
     return bad;
 }

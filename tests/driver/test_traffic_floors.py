@@ -18,8 +18,17 @@ from kernel_harness import ptxas, shared_cache, traffic
 from kernel_harness.build import build_kernel_libraries
 from kernel_harness.stub import with_libraries
 
+_HND_CHUNKS = ("HND bf16/fp8 sides of one head of 128 take the chunk path (a lane's 16 elements, 32 bytes "
+               "of BF16 rows as two 16-byte accesses: 50% of each request's sectors), not the 512-element span "
+               "path of NHD's 8 x 128 rows")
+_HND_SCALES = ("HND nvfp4 at scattered slots: one (token, head)'s scales are 8 bytes of their own (NHD: a "
+               "token's 8 heads' 64 bytes together), so a scale access uses 8 bytes of its 32-byte sector")
 MISSING = {
     # (workload, kernel): why it misses (kept in step with the model's table)
+    **{(f"kv_{op}_hnd/{f}", f"pagedkv_kv_{'read' if op == 'read' else 'write'}16"): _HND_CHUNKS
+       for f in ("bf16", "fp8") for op in ("write", "read", "write_layers")},
+    ("kv_write_hnd/nvfp4", "pagedkv_kv_write_nvfp4"): _HND_SCALES,
+    ("kv_read_hnd/nvfp4", "pagedkv_kv_read_nvfp4"): _HND_SCALES,
 }
 
 # the row kernel of each format's workloads (8 heads of 128, rotated turbo sides): bf16/fp8
@@ -30,10 +39,13 @@ ROW_KERNEL = {"bf16": "16", "fp8": "16", "nvfp4": "_nvfp4", "turbo4": "_turbo_h1
 EXPECTED = [
     ("fill", "pagedkv_fill_blocks"), ("copy_blocks", "pagedkv_copy_blocks"), ("copy_batch", "pagedkv_copy_batch"),
     ("reduce_bf16", "pagedkv_reduce_bf16_partial"),
-    *[(f"kv_checksum/{f}", "pagedkv_kv_checksum_partial") for f in traffic.FORMATS if f != "bf16"],
-    *[(f"kv_{op}/{f}", f"pagedkv_kv_{'write' if op != 'read' else 'read'}{ROW_KERNEL[f]}")
-      for f in traffic.FORMATS for op in ("write", "read", "write_layers")],
+    *[(f"kv_checksum{tag}/{f}", "pagedkv_kv_checksum_partial") for f in traffic.FORMATS if f != "bf16"
+      for tag in ("", "_hnd")],
+    *[(f"kv_{op}{tag}/{f}", f"pagedkv_kv_{'write' if op != 'read' else 'read'}{ROW_KERNEL[f]}")
+      for f in traffic.FORMATS for op in ("write", "read", "write_layers") for tag in ("", "_hnd")],
 ]
+"""Every hot (workload, kernel); the `_hnd` workloads are the same on HND blocks (the same
+kernels: an HND side runs as one one-head side per head chunk)."""
 
 
 def _report_key() -> str:
