@@ -581,6 +581,114 @@ __device__ __forceinline__ u32 span_unit(const KvSide& S, const SideGeometry& g,
     return 0;
 }
 
+// bf16 / fp8 rows of n elements, n a multiple of 16 dividing 512 (below 512: one head of an
+// HND side, or a few NHD heads), every access aligned: unit u is the 512 / n tokens from
+// u * 512 / n, their 512 elements dealt as span_unit deals a span (lane L: the 8-element
+// pieces at 8 * L and 256 + 8 * L of the unit), so each warp request covers whole rows of
+// 2n contiguous bytes of BF16 (16-byte accesses, every sector whole). A piece's token past
+// the last or with a slot outside 0..limit-1 is masked lane by lane; every lane takes part
+// in the fp8 shuffle (the 16 bytes lane 2m moves are of its own piece's token, lane 2m + 1's
+// of its second piece's).
+template <int FMT, bool WRITE>
+__device__ __forceinline__ u32 tokens_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
+                                           int block_size, i64 limit, i64 u) {
+    const int n = S.heads * S.head_dim, per = 512 / n;
+    const int lane = (int)lane_id();
+    const bool odd = lane & 1;
+    int token[2], off[2];
+    i64 slot[2];
+    bool valid[2];
+    float x[2][8];
+    const int t0 = (int)(u * per);
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int p = 256 * q + 8 * lane;
+        token[q] = t0 + p / n;
+        off[q] = p % n;
+    }
+    if (WRITE) {  // the rows first (they do not depend on the slots): one run of loads with the slots
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            if (token[q] < tokens) {
+                load_elems<8>(S.rows, S.bf16, (i64)token[q] * S.row_stride + off[q], true, 8, x[q]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) x[q][k] = 0.0f;
+            }
+        }
+    }
+    // a piece's slot: the 16-byte pair of slots its token is in (the same for every lane of a
+    // row: a broadcast), one slot alone at the tail or when the slots are not 16-byte aligned
+    const bool pairs = (((u64)slots) & 15u) == 0;
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int t = token[q] & ~1;
+        if (pairs && t + 1 < tokens) {
+            const uint4 w = *(const uint4*)(slots + t);
+            slot[q] = token[q] & 1 ? (i64)((u64)w.z | ((u64)w.w << 32)) : (i64)((u64)w.x | ((u64)w.y << 32));
+        } else {
+            slot[q] = token[q] < tokens ? slots[token[q]] : -1;
+        }
+        valid[q] = slot[q] >= 0 && slot[q] < limit;
+    }
+    // the 16 pool bytes of an fp8 lane: its first piece's (even lane) or its second's (odd)
+    const i64 fslot = odd ? slot[1] : slot[0];
+    const bool fvalid = odd ? valid[1] : valid[0];
+    const int foff = odd ? off[1] - 8 : off[0];
+    if (WRITE) {
+        u32 bad = 0;
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) bad += valid[q] && is_nonfinite(x[q][k]);
+        if (FMT == FMT_BF16) {
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+                if (valid[q]) store_elems<8>((u64)slot_rows(S, g, block_size, slot[q]).data, 1, off[q], true, 8, x[q]);
+            return bad;
+        }
+        u64 piece[2] = {0, 0};
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) piece[q] |= (u64)e4m3_encode(x[q][k] / S.scale) << (8 * k);
+        const u64 other = shfl_u64(odd ? piece[0] : piece[1], lane ^ 1, 32);
+        const u64 lo = odd ? other : piece[0], hi = odd ? piece[1] : other;
+        if (fvalid) {
+            uint4 v;
+            v.x = (u32)lo; v.y = (u32)(lo >> 32); v.z = (u32)hi; v.w = (u32)(hi >> 32);
+            *(uint4*)(slot_rows(S, g, block_size, fslot).data + foff) = v;
+        }
+        return bad;
+    }
+    if (FMT == FMT_BF16) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            if (valid[q]) {
+                load_elems<8>((u64)slot_rows(S, g, block_size, slot[q]).data, 1, off[q], true, 8, x[q]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) x[q][k] = 0.0f;
+            }
+        }
+    } else {
+        uint4 v;
+        v.x = v.y = v.z = v.w = 0;
+        if (fvalid) v = *(const uint4*)(slot_rows(S, g, block_size, fslot).data + foff);
+        const u64 lo = (u64)v.x | ((u64)v.y << 32), hi = (u64)v.z | ((u64)v.w << 32);
+        const u64 other = shfl_u64(odd ? lo : hi, lane ^ 1, 32);
+        const u64 piece[2] = {odd ? other : lo, odd ? hi : other};
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) x[q][k] = valid[q] ? e4m3_decode((u32)(piece[q] >> (8 * k)) & 0xFFu) * S.scale : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < 2; q++)
+        if (token[q] < tokens) store_elems<8>(S.rows, S.bf16, (i64)token[q] * S.row_stride + off[q], true, 8, x[q]);
+    return 0;
+}
+
 // bf16 / fp8, any geometry: unit u's lanes take 16-element chunks of the flat (token, chunk) items.
 template <int FMT, bool WRITE>
 __device__ __forceinline__ u32 chunk_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens, int block_size,
@@ -983,6 +1091,12 @@ __device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
     u32 bad = 0;
     if (f.rows_vec && pool_vec && (S.heads * S.head_dim) % 512 == 0) {  // a unit is a span: same count
         for (i64 l = l0; l < count; l += stride) bad += span_unit<FMT, WRITE>(S, f.g, slots, block_size, limit, l);
+        return bad;
+    }
+    if (f.rows_vec && pool_vec && 512 % (S.heads * S.head_dim) == 0 && (S.heads * S.head_dim) % 16 == 0) {
+        // a unit is 512 / n tokens: the same count (tokens x n / 16 chunks, 32 a unit)
+        for (i64 l = l0; l < count; l += stride)
+            bad += tokens_unit<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l);
         return bad;
     }
     for (i64 l = l0; l < count; l += stride)
