@@ -153,10 +153,14 @@ __device__ void unpack_codes(const u8* in, int bits, u32* c) {
 //
 // Work is cut into warp units, numbered across the sides of a launch (K then V, layer after
 // layer) and dealt to the warps of the grid round robin; a warp walks the sides in order,
-// so each side's format is switched on once, outside its loop. Per side, one of:
-// - bf16 / fp8: a lane takes 16 consecutive elements of a row (32 consecutive lanes, one
-//   unit); 16-byte loads and stores when the rows and the pool rows are 16-byte aligned and
-//   the chunk is whole, element by element otherwise.
+// so each side's format is switched on once, outside its loop. An HND side runs as one
+// one-head side per head chunk (see kv_launch). Per side, one of:
+// - bf16 / fp8, 16-byte aligned rows and pool rows of n elements: a unit is 512 elements,
+//   lane L the pieces at 8 * L and 256 + 8 * L, of one token's row (n a multiple of 512:
+//   span_unit) or of 512 / n tokens' rows (n dividing 512: tokens_unit), so every warp
+//   request is whole sectors; otherwise a lane takes 16 consecutive elements of a row (32
+//   consecutive lanes, one unit; chunk_unit), 16-byte loads and stores when the chunk is
+//   whole, element by element otherwise.
 // - grouped formats without rotation: a lane takes one 16-element group (all lanes busy,
 //   whatever the row size); with whole sets of 8 groups a row and 8-byte aligned blocks,
 //   each set of 8 lanes writes its data and scale bytes as 8-byte words (nvfp4/turbo4: a

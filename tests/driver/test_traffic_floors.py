@@ -1,5 +1,5 @@
 """Issue 19's floors on every hot kernel, held by the traffic model (kernel_harness/traffic.py)
-on its workloads (8 KV heads x 128, BF16 rows, 64 tokens, blocks of 16): 0-byte stack frame
+on its workloads (8 KV heads x 128, BF16 rows, 64 tokens, blocks of 16; NHD and HND blocks): 0-byte stack frame
 and no spills on sm_90; sector efficiency >= 90% on bulk paths (fill, copy, copy_batch, the
 BF16 reduction, bf16/fp8 rows) and >= 50% on every main-loop access; >= 16 (bulk) or >= 8
 bytes per lane on main-loop accesses; >= 32 KiB in flight per SM at the occupancy ptxas
