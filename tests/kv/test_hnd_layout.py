@@ -167,6 +167,11 @@ def test_device_sides_carry_their_layout_into_the_launch():
     assert (side_units(0, 4, 128, -1, 3), side_units(0, 4, 128, -1, 3, hnd=True)) == (3, 4)   # 3 x 32 chunks; 4 x ceil(24 / 32)
     assert side_units(3, 4, 128, 0, 3, hnd=True) == side_units(3, 4, 128, 0, 3) == 12        # rotated: a (token, head) a warp
     assert layers_units((KvLayer * 1).from_buffer_copy(raw)) == (-(-(4 * 8 + 32) // 32), 5)   # per token, fixed
+    # kv_launch counts (side, head chunk) in one int: the driver refuses what would not fit
+    with pytest.raises(ValueError, match="heads is 65536, more than a row launch's 65535"):
+        KvKernels().kv_layer_table([(65536, 16, *sides)])
+    with pytest.raises(ValueError, match="a layer table of 16384 layers is more than a row launch's 16383"):
+        KvKernels().kv_layer_table([(4, 128, *sides)] * 16384)
 
 
 def test_disk_layout_records_hnd_and_refuses_the_other_layout():
