@@ -1113,7 +1113,7 @@ __device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
 // in flight; then one unit at a time, the batch shifted down after each (constant indices:
 // registers). The every-format kernels take 1; the one-path kernels more. A batch of 1 is the
 // plain loop, each unit loading its rows after its slot check (FUSED): the every-format kernels
-// then need the registers of the plain paths (168 on sm_90), not those of a load phase.
+// then need the registers of the plain paths (at most 168 on sm_90), not those of a load phase.
 template <int FMT, bool WRITE, int GROUP_BATCH>
 __device__ __noinline__ u32 group_loop(PKV_SIDE_PARAMS) {
     const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
