@@ -19,6 +19,7 @@ import numpy as np
 from ..backends.protocol import BlockRegions, DevicePtr
 from ..codecs.rotation import ROTATED_HEAD_DIMS
 from ..core.dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
+from ..core.layout import parse_layout
 from ..core.validate import index_in_range, positive_int
 
 KV_THREADS = 128
@@ -48,6 +49,7 @@ _SIDE_FIELDS = [
     ("scale", ctypes.c_float),
     ("first", ctypes.c_int32),
     ("last", ctypes.c_int32),
+    ("hnd", ctypes.c_int32),
 ]
 
 
@@ -94,7 +96,7 @@ class KvLayerSide(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("first", ctypes.c_int32),
         ("last", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("hnd", ctypes.c_int32),
     ]
 
 
@@ -166,10 +168,14 @@ def row_kernel_suffix(sides) -> str:
     return paths.pop() if len(paths) == 1 and None not in paths else ""
 
 
-def side_units(fmt: int, heads: int, head_dim: int, first: int, tokens: int) -> int:
-    """Warp units of one side of a launch (kv_rows.cu's side_units): what sizes the grid."""
+def side_units(fmt: int, heads: int, head_dim: int, first: int, tokens: int, hnd: bool = False) -> int:
+    """Warp units of one side of a launch (kv_rows.cu's side_units): what sizes the grid. A
+    side of HND blocks (`hnd`) runs as `heads` one-head sides (kv_launch in kv_rows.cu), each
+    rounding its own units up."""
     if fmt < 0:
         return 0
+    if hnd and heads > 1:
+        return heads * side_units(fmt, 1, head_dim, first, tokens)
     n = heads * head_dim
     if fmt <= 1:
         return (tokens * ((n + 15) // 16) + 31) // 32
@@ -183,18 +189,20 @@ def layers_units(table: "ctypes.Array") -> tuple[int, int]:
     is per_token * t + fixed (each flat side rounds up once)."""
     per_token, fixed = 0, 0
     for entry in table:
-        n = entry.heads * entry.head_dim
         for side in entry.side:
+            # an HND side of several heads is that many one-head sides (kv_launch in kv_rows.cu)
+            sides, heads = (entry.heads, 1) if side.hnd and entry.heads > 1 else (1, entry.heads)
+            n = heads * entry.head_dim
             if side.fmt < 0:
                 continue
             if side.fmt <= 1:
-                per_token += -(-n // 16)
-                fixed += 1
+                per_token += sides * -(-n // 16)
+                fixed += sides
             elif side.first >= 0:
                 per_token += 32 * entry.heads
             else:
-                per_token += n // 16
-                fixed += 1
+                per_token += sides * (n // 16)
+                fixed += sides
     return -(-per_token // 32), fixed
 """(kernel name, argument structure, threads per CTA) of kv_rows.cu's row kernels."""
 
@@ -258,6 +266,50 @@ def check_kv_side_row(
     return region, int(regions.bases[region]), int(regions.strides[region]), fmt
 
 
+def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_elements: int, stride: int,
+                    layout: str, heads: int) -> tuple[np.ndarray, int, int]:
+    """(blocks, stride, row_elements) the checksum kernel reads for the listed `blocks` (int64)
+    of a pool of `layout` blocks with `heads` heads of `row_elements // heads` values, whose
+    blocks are `stride` bytes apart. The kernel reads a block as its data section then its
+    scale section (NHD); an HND block of a grouped format is `heads` chunks, each byte for
+    byte an NHD block of one head (docs/LAYOUTS.md), so such a block is handed over as its
+    chunks: chunk h of block b is "block" b * (stride / chunk) + h of a pool of chunk-sized
+    blocks (the sums do not depend on the order of the values). NHD, one head, and bf16 / fp8
+    (a block all values, no scales) keep their blocks. ValueError naming the bad value:
+    `layout` not a layout, `heads` not a positive int whose heads are whole multiples of 16
+    values, an HND stride that is not a whole number of chunks, or a chunk index past the
+    kernels' int32 limit."""
+    layout = parse_layout(layout)
+    heads = positive_int(heads, "heads")
+    if row_elements % heads or (row_elements // heads) % 16:
+        raise ValueError(f"heads must split {row_elements} values a token into heads of a multiple of 16, got {heads}")
+    if layout == "NHD" or heads == 1 or not SIDE_FORMATS[fmt].grouped:
+        return blocks, stride, row_elements
+    chunk = side_bytes(fmt, block_size * row_elements) // heads
+    if stride % chunk:
+        raise ValueError(f"an HND block stride of {stride} bytes is not a whole number of {chunk}-byte head chunks")
+    per_block = stride // chunk
+    chunks = (blocks.astype(np.int64)[:, None] * per_block + np.arange(heads, dtype=np.int64)).reshape(-1)
+    if chunks.size and int(chunks.max()) > _INT32_MAX:
+        raise ValueError(f"head chunk index {int(chunks.max())} is above the kernels' limit {_INT32_MAX}")
+    return chunks, chunk, row_elements // heads
+
+
+MAX_LAUNCH_HEADS = 2**16 - 1
+"""The most heads a layer of a row launch may have (kv_rows.cu counts (side, head chunk) in
+one int, the chunk in the low 16 bits)."""
+
+MAX_LAUNCH_LAYERS = 2**14 - 1
+"""The most layers a layer table may hold (its 2 * layers sides in the word's 15 upper bits)."""
+
+
+def _check_launch_counts(heads: int, layers: int = 1) -> None:
+    if heads > MAX_LAUNCH_HEADS:
+        raise ValueError(f"heads is {heads}, more than a row launch's {MAX_LAUNCH_HEADS}")
+    if layers > MAX_LAUNCH_LAYERS:
+        raise ValueError(f"a layer table of {layers} layers is more than a row launch's {MAX_LAUNCH_LAYERS}")
+
+
 def _inv_sqrt_n(head_dim: int) -> float:
     return float(np.float32(1.0 / np.sqrt(head_dim)))
 
@@ -269,7 +321,8 @@ class KvSideArgs:
     (float32, or BF16 when `bf16`), `row_stride` elements apart, `[heads, head_dim]`
     contiguous within a row; `scale` is fp8's dequantisation scale; `rotated` asks for the
     Walsh-Hadamard rotation (write) or unrotation (read) of a turbo side whose head_dim
-    has one."""
+    has one; `layout` is the pool's block layout, "NHD" or "HND" (pagedkv.core.layout;
+    ValueError naming anything else)."""
 
     fmt: KvCacheDtype | None
     pool: int
@@ -279,6 +332,10 @@ class KvSideArgs:
     bf16: bool = False
     scale: float = 1.0
     rotated: bool = True
+    layout: str = "NHD"
+
+    def __post_init__(self):
+        parse_layout(self.layout)
 
 
 SIGN_TABLE_WORDS = {128: (0, 4), 256: (8, 16), 512: (24, 40)}
@@ -291,7 +348,8 @@ class KvKernels:
 
     def _side_fields(self, prefix: str, side: KvSideArgs, head_dim: int, reading: bool) -> dict:
         if side.fmt is None:
-            fields = dict(fmt=SKIP_SIDE, pool=0, block_stride=0, rows=0, row_stride=0, bf16=0, scale=1.0, first=-1, last=-1)
+            fields = dict(fmt=SKIP_SIDE, pool=0, block_stride=0, rows=0, row_stride=0, bf16=0, scale=1.0, first=-1, last=-1,
+                          hnd=0)
         else:
             first = last = -1
             if side.rotated and SIDE_FORMATS[side.fmt].rotated and head_dim in ROTATED_HEAD_DIMS:
@@ -300,7 +358,7 @@ class KvKernels:
             fields = dict(
                 fmt=FORMAT_CODES[side.fmt], pool=int(side.pool), block_stride=int(side.block_stride),
                 rows=int(side.rows), row_stride=int(side.row_stride), bf16=int(bool(side.bf16)),
-                scale=float(np.float32(side.scale)), first=first, last=last,
+                scale=float(np.float32(side.scale)), first=first, last=last, hnd=int(side.layout == "HND"),
             )
         return {f"{prefix}_{k}": v for k, v in fields.items()}
 
@@ -312,6 +370,7 @@ class KvKernels:
         return bytes(self._layer_table(layers, reading))
 
     def _layer_table(self, layers, reading: bool):
+        _check_launch_counts(max((entry[0] for entry in layers), default=1), len(layers))
         table = (KvLayer * len(layers))()
         for entry, (heads, head_dim, k, v) in zip(table, layers):
             entry.heads, entry.head_dim, entry.inv_sqrt_n = heads, head_dim, _inv_sqrt_n(head_dim)
@@ -322,6 +381,7 @@ class KvKernels:
                 target.rows, target.row_stride = fields[f"{prefix}_rows"], fields[f"{prefix}_row_stride"]
                 target.fmt, target.bf16, target.scale = fields[f"{prefix}_fmt"], fields[f"{prefix}_bf16"], fields[f"{prefix}_scale"]
                 target.first, target.last = fields[f"{prefix}_first"], fields[f"{prefix}_last"]
+                target.hnd = fields[f"{prefix}_hnd"]
         return table
 
     def kv_layer_launch(self, table_bytes: bytes) -> tuple[str, int, int]:
@@ -373,6 +433,7 @@ class KvKernels:
         """The launch `_kv_launch` would enqueue, prepared (None for 0 tokens)."""
         if num_tokens == 0:
             return None
+        _check_launch_counts(heads)
         inv_sqrt_n = _inv_sqrt_n(head_dim)
         fields = dict(
             slots=int(slots), num_tokens=num_tokens, heads=heads, head_dim=head_dim, block_size=block_size,
@@ -381,8 +442,8 @@ class KvKernels:
             **self._side_fields("v", v, head_dim, name.endswith("read")),
         )
         name += row_kernel_suffix((fields[f"{p}_fmt"], fields[f"{p}_first"], head_dim) for p in "kv")
-        units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens)
-                 + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens))
+        units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens, fields["k_hnd"])
+                 + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens, fields["v_hnd"]))
         from .launch import PreparedLaunch  # not at import: pagedkv.kv_device imports this module
 
         return PreparedLaunch(self, self._launchers[name], self._grid(name, -(-units // WARPS)),
@@ -436,6 +497,7 @@ class KvKernels:
         handle = self._stream(stream)
         if num_tokens == 0:
             return
+        _check_launch_counts(heads)
         inv_sqrt_n = _inv_sqrt_n(head_dim)
         with self._lock:
             self._enter()
@@ -446,8 +508,8 @@ class KvKernels:
                 **self._side_fields("v", v, head_dim, name.endswith("read")),
             )
             name += row_kernel_suffix((fields[f"{p}_fmt"], fields[f"{p}_first"], head_dim) for p in "kv")
-            units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens)
-                     + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens))
+            units = (side_units(fields["k_fmt"], heads, head_dim, fields["k_first"], num_tokens, fields["k_hnd"])
+                     + side_units(fields["v_fmt"], heads, head_dim, fields["v_first"], num_tokens, fields["v_hnd"]))
             self._launchers[name].launch(self._grid(name, -(-units // WARPS)), handle, layers=0, num_layers=0,
                                          **fields)
 

@@ -196,13 +196,15 @@ def write_tokens(pools, layer: int, geometry, slots, k, v, gpu, stream: int, k_s
     slot_arr = slot_array(slots, gpu, stream)
     k_arr = _rows(device_array(k, "k", gpu, stream), "k", heads, head_dim, slot_arr.shape[0])
     k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
-                        k_arr.dtype.name == "bfloat16", k_scale)
+                        k_arr.dtype.name == "bfloat16", k_scale,
+                        layout=config.layout)
     if aliased and v is None:
         v_side, v_arr = KvSideArgs(None, 0, 0, 0, 0), None
     else:
         v_arr = _rows(device_array(v, "v", gpu, stream), "v", heads, head_dim, slot_arr.shape[0])
         v_side = KvSideArgs(None if aliased else v_fmt, int(pools.v_pool(layer)), pools.v_stride(layer),
-                            v_arr.ptr, v_arr.row_stride, v_arr.dtype.name == "bfloat16", v_scale)
+                            v_arr.ptr, v_arr.row_stride, v_arr.dtype.name == "bfloat16", v_scale,
+                            layout=config.layout)
     limit = pools.num_blocks() * config.block_size
     if not hasattr(gpu, "kv_prepare_write"):
         gpu.kv_write_rows(slot_arr.ptr, slot_arr.shape[0], heads, head_dim, config.block_size, limit,
@@ -231,9 +233,11 @@ def read_tokens(pools, layer: int, geometry, slots, gpu, stream: int, unrotate: 
     v_pool, v_stride = (pools.k_pool(layer), pools.k_stride(layer)) if config.v_aliases_k else (
         pools.v_pool(layer), pools.v_stride(layer))
     k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
-                        k_arr.dtype.name == "bfloat16", k_scale, unrotate)
+                        k_arr.dtype.name == "bfloat16", k_scale, unrotate,
+                        layout=config.layout)
     v_side = KvSideArgs(k_fmt if config.v_aliases_k else v_fmt, int(v_pool), v_stride, v_arr.ptr, v_arr.row_stride,
-                        v_arr.dtype.name == "bfloat16", k_scale if config.v_aliases_k else v_scale, unrotate)
+                        v_arr.dtype.name == "bfloat16", k_scale if config.v_aliases_k else v_scale, unrotate,
+                        layout=config.layout)
     limit = pools.num_blocks() * config.block_size
     if not hasattr(gpu, "kv_prepare_read"):
         gpu.kv_read_rows(slot_arr.ptr, tokens, heads, head_dim, config.block_size, limit, k_side, v_side, stream)

@@ -13,7 +13,7 @@ views stay valid, and blocks `[0, resident_blocks())` are backed in every pool.
 
 from __future__ import annotations
 
-from ..backends.capabilities import BackendFeatureMissing, require
+from ..backends.capabilities import require
 from ..backends.protocol import BlockRegions, DevicePtr, GpuBackend
 from ..core.config import MAX_NUM_BLOCKS, KvCacheConfig
 from ..core.log import get_logger
@@ -26,9 +26,8 @@ _log = get_logger("pools")
 
 class KvPools:
     """The K and V pools of every layer of `config`, `num_blocks` blocks each, on `gpu`.
-    Construction is all or nothing: a failed allocation frees what was allocated. A layout
-    other than NHD on a backend with the KV row kernels (CudaBackend) is refused
-    (BackendFeatureMissing) before anything is allocated: the kernels read NHD blocks."""
+    Construction is all or nothing: a failed allocation frees what was allocated. Either
+    block layout (config.layout) runs on every backend."""
 
     def __init__(self, config: KvCacheConfig, num_blocks: int, gpu: GpuBackend, elastic: bool = False):
         if not isinstance(config, KvCacheConfig):
@@ -40,11 +39,6 @@ class KvPools:
             )
         if gpu is None or not isinstance(gpu, GpuBackend):
             raise TypeError(f"gpu must be a GpuBackend (HostBackend, CudaBackend), got {type(gpu).__name__} {gpu!r:.60}")
-        if config.layout != "NHD" and callable(getattr(gpu, "kv_write_rows", None)):
-            raise BackendFeatureMissing(
-                f"layout={config.layout!r} on {type(gpu).__name__}: its KV row and checksum kernels read "
-                f"NHD blocks only; use layout='NHD' there (HND runs on HostBackend, the reference)"
-            )
         self._config = config
         self._num_blocks = num_blocks
         self._gpu = gpu

@@ -80,13 +80,15 @@ class LayerWritePlan:
             k_arr = _layer_rows(k, f"k of layer {layer}", gpu, heads, head_dim, self.num_tokens)
             self.num_tokens = k_arr.shape[0]
             k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
-                                k_arr.dtype.name == "bfloat16", k_scale)
+                                k_arr.dtype.name == "bfloat16", k_scale,
+                                layout=config.layout)
             if aliased and v is None:
                 v_side = KvSideArgs(None, 0, 0, 0, 0)
             else:
                 v_arr = _layer_rows(v, f"v of layer {layer}", gpu, heads, head_dim, self.num_tokens)
                 v_side = KvSideArgs(None if aliased else v_fmt, int(pools.v_pool(layer)), pools.v_stride(layer),
-                                    v_arr.ptr, v_arr.row_stride, v_arr.dtype.name == "bfloat16", v_scale)
+                                    v_arr.ptr, v_arr.row_stride, v_arr.dtype.name == "bfloat16", v_scale,
+                                    layout=config.layout)
             entries.append((heads, head_dim, k_side, v_side))
         if self._device:
             table = gpu.kv_layer_table(entries)
@@ -216,10 +218,12 @@ class LayerReadPlan:
             v_pool, v_stride = (pools.k_pool(layer), pools.k_stride(layer)) if config.v_aliases_k else (
                 pools.v_pool(layer), pools.v_stride(layer))
             k_side = KvSideArgs(k_fmt, int(pools.k_pool(layer)), pools.k_stride(layer), k_arr.ptr, k_arr.row_stride,
-                                k_arr.dtype.name == "bfloat16", k_scale, unrotate)
+                                k_arr.dtype.name == "bfloat16", k_scale, unrotate,
+                                layout=config.layout)
             v_side = KvSideArgs(k_fmt if config.v_aliases_k else v_fmt, int(v_pool), v_stride, v_arr.ptr,
                                 v_arr.row_stride, v_arr.dtype.name == "bfloat16",
-                                k_scale if config.v_aliases_k else v_scale, unrotate)
+                                k_scale if config.v_aliases_k else v_scale, unrotate,
+                                layout=config.layout)
             entries.append((heads, head_dim, k_side, v_side))
         if self._device:
             table = gpu.kv_layer_table(entries, reading=True)

@@ -17,6 +17,7 @@
 // rules make them; the host codec refuses them instead.
 // With a device table of KvLayer, one launch writes (or reads) the same tokens' rows of many
 // layers (a prefill, a decode step), each layer's geometry, pools and rows read from it.
+// A side may hold HND blocks (docs/LAYOUTS.md; its `hnd` flag): see kv_side_blocks.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -152,10 +153,14 @@ __device__ void unpack_codes(const u8* in, int bits, u32* c) {
 //
 // Work is cut into warp units, numbered across the sides of a launch (K then V, layer after
 // layer) and dealt to the warps of the grid round robin; a warp walks the sides in order,
-// so each side's format is switched on once, outside its loop. Per side, one of:
-// - bf16 / fp8: a lane takes 16 consecutive elements of a row (32 consecutive lanes, one
-//   unit); 16-byte loads and stores when the rows and the pool rows are 16-byte aligned and
-//   the chunk is whole, element by element otherwise.
+// so each side's format is switched on once, outside its loop. An HND side runs as one
+// one-head side per head chunk (see kv_launch). Per side, one of:
+// - bf16 / fp8, 16-byte aligned rows and pool rows of n elements: a unit is 512 elements,
+//   lane L the pieces at 8 * L and 256 + 8 * L, of one token's row (n a multiple of 512:
+//   span_unit) or of 512 / n tokens' rows (n dividing 512: tokens_unit), so every warp
+//   request is whole sectors; otherwise a lane takes 16 consecutive elements of a row (32
+//   consecutive lanes, one unit; chunk_unit), 16-byte loads and stores when the chunk is
+//   whole, element by element otherwise.
 // - grouped formats without rotation: a lane takes one 16-element group (all lanes busy,
 //   whatever the row size); with whole sets of 8 groups a row and 8-byte aligned blocks,
 //   each set of 8 lanes writes its data and scale bytes as 8-byte words (nvfp4/turbo4: a
@@ -580,6 +585,114 @@ __device__ __forceinline__ u32 span_unit(const KvSide& S, const SideGeometry& g,
     return 0;
 }
 
+// bf16 / fp8 rows of n elements, n a multiple of 16 dividing 512 (below 512: one head of an
+// HND side, or a few NHD heads), every access aligned: unit u is the 512 / n tokens from
+// u * 512 / n, their 512 elements dealt as span_unit deals a span (lane L: the 8-element
+// pieces at 8 * L and 256 + 8 * L of the unit), so each warp request covers whole rows of
+// 2n contiguous bytes of BF16 (16-byte accesses, every sector whole). A piece's token past
+// the last or with a slot outside 0..limit-1 is masked lane by lane; every lane takes part
+// in the fp8 shuffle (the 16 bytes lane 2m moves are of its own piece's token, lane 2m + 1's
+// of its second piece's).
+template <int FMT, bool WRITE>
+__device__ __forceinline__ u32 tokens_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens,
+                                           int block_size, i64 limit, i64 u) {
+    const int n = S.heads * S.head_dim, per = 512 / n;
+    const int lane = (int)lane_id();
+    const bool odd = lane & 1;
+    int token[2], off[2];
+    i64 slot[2];
+    bool valid[2];
+    float x[2][8];
+    const int t0 = (int)(u * per);
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int p = 256 * q + 8 * lane;
+        token[q] = t0 + p / n;
+        off[q] = p % n;
+    }
+    if (WRITE) {  // the rows first (they do not depend on the slots): one run of loads with the slots
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            if (token[q] < tokens) {
+                load_elems<8>(S.rows, S.bf16, (i64)token[q] * S.row_stride + off[q], true, 8, x[q]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) x[q][k] = 0.0f;
+            }
+        }
+    }
+    // a piece's slot: the 16-byte pair of slots its token is in (the same for every lane of a
+    // row: a broadcast), one slot alone at the tail or when the slots are not 16-byte aligned
+    const bool pairs = (((u64)slots) & 15u) == 0;
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int t = token[q] & ~1;
+        if (pairs && t + 1 < tokens) {
+            const uint4 w = *(const uint4*)(slots + t);
+            slot[q] = token[q] & 1 ? (i64)((u64)w.z | ((u64)w.w << 32)) : (i64)((u64)w.x | ((u64)w.y << 32));
+        } else {
+            slot[q] = token[q] < tokens ? slots[token[q]] : -1;
+        }
+        valid[q] = slot[q] >= 0 && slot[q] < limit;
+    }
+    // the 16 pool bytes of an fp8 lane: its first piece's (even lane) or its second's (odd)
+    const i64 fslot = odd ? slot[1] : slot[0];
+    const bool fvalid = odd ? valid[1] : valid[0];
+    const int foff = odd ? off[1] - 8 : off[0];
+    if (WRITE) {
+        u32 bad = 0;
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) bad += valid[q] && is_nonfinite(x[q][k]);
+        if (FMT == FMT_BF16) {
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+                if (valid[q]) store_elems<8>((u64)slot_rows(S, g, block_size, slot[q]).data, 1, off[q], true, 8, x[q]);
+            return bad;
+        }
+        u64 piece[2] = {0, 0};
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) piece[q] |= (u64)e4m3_encode(x[q][k] / S.scale) << (8 * k);
+        const u64 other = shfl_u64(odd ? piece[0] : piece[1], lane ^ 1, 32);
+        const u64 lo = odd ? other : piece[0], hi = odd ? piece[1] : other;
+        if (fvalid) {
+            uint4 v;
+            v.x = (u32)lo; v.y = (u32)(lo >> 32); v.z = (u32)hi; v.w = (u32)(hi >> 32);
+            *(uint4*)(slot_rows(S, g, block_size, fslot).data + foff) = v;
+        }
+        return bad;
+    }
+    if (FMT == FMT_BF16) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            if (valid[q]) {
+                load_elems<8>((u64)slot_rows(S, g, block_size, slot[q]).data, 1, off[q], true, 8, x[q]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) x[q][k] = 0.0f;
+            }
+        }
+    } else {
+        uint4 v;
+        v.x = v.y = v.z = v.w = 0;
+        if (fvalid) v = *(const uint4*)(slot_rows(S, g, block_size, fslot).data + foff);
+        const u64 lo = (u64)v.x | ((u64)v.y << 32), hi = (u64)v.z | ((u64)v.w << 32);
+        const u64 other = shfl_u64(odd ? lo : hi, lane ^ 1, 32);
+        const u64 piece[2] = {odd ? other : lo, odd ? hi : other};
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) x[q][k] = valid[q] ? e4m3_decode((u32)(piece[q] >> (8 * k)) & 0xFFu) * S.scale : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < 2; q++)
+        if (token[q] < tokens) store_elems<8>(S.rows, S.bf16, (i64)token[q] * S.row_stride + off[q], true, 8, x[q]);
+    return 0;
+}
+
 // bf16 / fp8, any geometry: unit u's lanes take 16-element chunks of the flat (token, chunk) items.
 template <int FMT, bool WRITE>
 __device__ __forceinline__ u32 chunk_unit(const KvSide& S, const SideGeometry& g, const i64* slots, int tokens, int block_size,
@@ -984,6 +1097,12 @@ __device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
         for (i64 l = l0; l < count; l += stride) bad += span_unit<FMT, WRITE>(S, f.g, slots, block_size, limit, l);
         return bad;
     }
+    if (f.rows_vec && pool_vec && 512 % (S.heads * S.head_dim) == 0 && (S.heads * S.head_dim) % 16 == 0) {
+        // a unit is 512 / n tokens: the same count (tokens x n / 16 chunks, 32 a unit)
+        for (i64 l = l0; l < count; l += stride)
+            bad += tokens_unit<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l);
+        return bad;
+    }
     for (i64 l = l0; l < count; l += stride)
         bad += chunk_unit<FMT, WRITE>(S, f.g, slots, tokens, block_size, limit, l, f.rows_vec, pool_vec);
     return bad;
@@ -994,7 +1113,7 @@ __device__ __forceinline__ u32 chunk_loop_body(PKV_SIDE_PARAMS) {
 // in flight; then one unit at a time, the batch shifted down after each (constant indices:
 // registers). The every-format kernels take 1; the one-path kernels more. A batch of 1 is the
 // plain loop, each unit loading its rows after its slot check (FUSED): the every-format kernels
-// then need the registers of the plain paths (168 on sm_90), not those of a load phase.
+// then need the registers of the plain paths (at most 168 on sm_90), not those of a load phase.
 template <int FMT, bool WRITE, int GROUP_BATCH>
 __device__ __noinline__ u32 group_loop(PKV_SIDE_PARAMS) {
     const KvSide S = make_side(fmt, pool, block_stride, rows, row_stride, bf16, scale, first, last, heads, head_dim, inv_sqrt_n);
@@ -1117,7 +1236,8 @@ __device__ u32 kv_side(const KvSide& S, const i64* slots, int tokens, int block_
 }
 
 // One side of one layer of the layer table of pagedkv_kv_write / _read (KvLayerSide in
-// driver/kv_kernels.py); `rows` are the source rows of a write, the output rows of a read.
+// driver/kv_kernels.py); `rows` are the source rows of a write, the output rows of a read;
+// `hnd` 1: the pool holds HND blocks (kv_side_blocks).
 struct KvLayerSide {
     u64 pool;
     i64 block_stride;
@@ -1125,7 +1245,7 @@ struct KvLayerSide {
     i64 row_stride;
     int fmt, bf16;
     float scale;
-    int first, last, pad;
+    int first, last, hnd;
 };
 
 // One layer of the layer table of pagedkv_kv_write / _read (KvLayer in driver/kv_kernels.py).
@@ -1137,25 +1257,78 @@ struct KvLayer {
 };
 
 // Every side of a launch: the `num_layers` layers of the device table `layers`, or (when
-// num_layers is 0) the one layer given inline as K and V.
+// num_layers is 0) the one layer given inline as K and V, each side of NHD blocks or of HND
+// blocks (its `hnd` flag).
+//
+// An HND side: head h's chunk of a block (its `block_size` tokens' data, then their scales)
+// is byte for byte an NHD block of a one-head side (docs/LAYOUTS.md), so the side runs as
+// `heads` one-head sides, the h-th with its pool moved to chunk h (pool + h * chunk bytes;
+// the block stride unchanged) and its rows to head h (rows + h * head_dim elements; the row
+// stride unchanged). Their units follow each other in the launch's unit numbering (`start`),
+// so the warps share them as they share the sides of many layers, and every path is NHD's:
+// a chunk's accesses are as wide as a one-head NHD block's (one (token, head) is contiguous
+// in the pool and in the rows: bf16 head_dim 128, 256 bytes). One kv_side call site for
+// every side, NHD ones a loop of one head chunk: the inline sides go through the loop the
+// table's do.
+// Side e of a launch (K then V, layer after layer), as the one-head side of its HND head
+// chunk h (h < *chunks) or, NHD, as it is (*chunks 1). Built afresh for every chunk from the
+// table or the kernel's parameters, so nothing of it is live across the paths' loops.
+__device__ __forceinline__ KvSide side_chunk(const KvLayer* __restrict__ layers, int num_layers, int e, int h,
+                                             int block_size, const KvSide& k, int k_hnd, const KvSide& v, int v_hnd,
+                                             int* chunks) {
+    KvSide S;
+    int hnd;
+    if (num_layers) {
+        const KvLayer& L = layers[e >> 1];
+        const KvLayerSide& T = L.side[e & 1];
+        S = make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16, T.scale, T.first, T.last, L.heads,
+                      L.head_dim, L.inv_sqrt_n);
+        hnd = T.hnd;
+    } else {
+        S = e ? v : k;
+        hnd = e ? v_hnd : k_hnd;
+    }
+    *chunks = hnd && S.fmt >= 0 ? S.heads : 1;
+    if (*chunks > 1) {
+        const SideGeometry g = geometry(S.fmt, S.head_dim, block_size);  // one head's: its chunk
+        S.pool += (u64)(h * (g.data_section + g.scale_row_bytes * block_size));
+        S.rows += (u64)(h * ((i64)S.head_dim * (S.bf16 ? 2 : 4)));
+        S.heads = 1;
+    }
+    return S;
+}
+
+// Every side of a launch: the `num_layers` layers of the device table `layers`, or (when
+// num_layers is 0) the one layer given inline as K and V, each side of NHD blocks or of HND
+// blocks (its `hnd` flag).
+//
+// An HND side: head h's chunk of a block (its `block_size` tokens' data, then their scales)
+// is byte for byte an NHD block of a one-head side (docs/LAYOUTS.md), so the side runs as
+// `heads` one-head sides, the h-th with its pool moved to chunk h (pool + h * chunk bytes;
+// the block stride unchanged) and its rows to head h (rows + h * head_dim elements; the row
+// stride unchanged). Their units follow each other in the launch's unit numbering (`start`),
+// so the warps share them as they share the sides of many layers, and every path is NHD's:
+// a chunk's accesses are as wide as a one-head NHD block's (one (token, head) is contiguous
+// in the pool and in the rows: bf16 head_dim 128, 256 bytes). One kv_side call site for
+// every side (an NHD side is one chunk), the inline sides through the loop the table's take.
 template <bool WRITE, int FAMILY, int ONE = FMT_NVFP4, int PATH = PATH_ANY, int BATCH = 1>
 __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int num_layers, const i64* slots,
-                                         int num_tokens, int block_size, i64 limit, const KvSide& k, const KvSide& v) {
+                                         int num_tokens, int block_size, i64 limit, const KvSide& k, int k_hnd,
+                                         const KvSide& v, int v_hnd) {
     kv_load_tables();
     i64 start = 0;
-    if (num_layers == 0) {
-        u32 bad = kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(k, slots, num_tokens, block_size, limit, start);
-        return bad + kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(v, slots, num_tokens, block_size, limit, start);
-    }
     u32 bad = 0;
-    for (int l = 0; l < num_layers; l++) {
-        const KvLayer& L = layers[l];
-        for (int s = 0; s < 2; s++) {
-            const KvLayerSide& T = L.side[s];
-            bad += kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(make_side(T.fmt, T.pool, T.block_stride, T.rows, T.row_stride, T.bf16,
-                                                    T.scale, T.first, T.last, L.heads, L.head_dim, L.inv_sqrt_n),
-                                          slots, num_tokens, block_size, limit, start);
-        }
+    // (side e, chunk h) as one counter e << 16 | h (the driver keeps heads < 2^16 and sides
+    // < 2^15): the loop keeps one register across the paths' calls, as the table's (layer,
+    // side) loop kept two, and a side's chunk count is reloaded rather than kept (this form
+    // is the one whose registers are NHD's or fewer, without spills: ptxas sm_90 and sm_100)
+    const int sides = num_layers ? 2 * num_layers : 2;
+    for (int at = 0; (at >> 16) < sides;) {
+        int chunks;
+        const KvSide S = side_chunk(layers, num_layers, at >> 16, at & 0xFFFF, block_size, k, k_hnd, v, v_hnd, &chunks);
+        bad += kv_side<WRITE, FAMILY, ONE, PATH, BATCH>(S, slots, num_tokens, block_size, limit, start);
+        side_chunk(layers, num_layers, at >> 16, 0, block_size, k, k_hnd, v, v_hnd, &chunks);
+        at = (at & 0xFFFF) + 1 < chunks ? at + 1 : ((at >> 16) + 1) << 16;
     }
     return bad;
 }
@@ -1163,16 +1336,16 @@ __device__ __forceinline__ u32 kv_launch(const KvLayer* __restrict__ layers, int
 #define PKV_KV_PARAMS(ROWS)                                                                                     \
     const i64 *__restrict__ slots, int num_tokens, int heads, int head_dim, int block_size, i64 limit,             \
     float inv_sqrt_n, unsigned long long *nonfinite, int k_fmt, u64 k_pool, i64 k_block_stride, u64 k_##ROWS,      \
-    i64 k_row_stride, int k_bf16, float k_scale, int k_first, int k_last, int v_fmt, u64 v_pool,                   \
+    i64 k_row_stride, int k_bf16, float k_scale, int k_first, int k_last, int k_hnd, int v_fmt, u64 v_pool,        \
     i64 v_block_stride, u64 v_##ROWS, i64 v_row_stride, int v_bf16, float v_scale, int v_first, int v_last,        \
-    const KvLayer *__restrict__ layers, int num_layers
+    int v_hnd, const KvLayer *__restrict__ layers, int num_layers
 
 #define PKV_KV_LAUNCH(WRITE, FAMILY, ROWS, ...)                                                                 \
     kv_launch<WRITE, FAMILY, ##__VA_ARGS__>(layers, num_layers, slots, num_tokens, block_size, limit,                          \
                              make_side(k_fmt, k_pool, k_block_stride, k_##ROWS, k_row_stride, k_bf16, k_scale,   \
-                                       k_first, k_last, heads, head_dim, inv_sqrt_n),                           \
+                                       k_first, k_last, heads, head_dim, inv_sqrt_n), k_hnd,                    \
                              make_side(v_fmt, v_pool, v_block_stride, v_##ROWS, v_row_stride, v_bf16, v_scale,   \
-                                       v_first, v_last, heads, head_dim, inv_sqrt_n))
+                                       v_first, v_last, heads, head_dim, inv_sqrt_n), v_hnd)
 
 // Rows encoded into their slots, every format: one layer's K and V given inline, or (a
 // prefill, or a decode step's new tokens of every layer) `num_layers` layers of the device

@@ -4,7 +4,8 @@ does nothing, a missing __syncthreads) and codec ones (E4M3 rounding ties down i
 to even, a butterfly with its difference reversed within a lane and across lanes, BF16
 rounding truncating, -1 slots not skipped, a set's scale bytes gathered from the wrong
 lanes, the sum of squares of a group skipping a lane's part, the one-path kernels' batches
-shifted wrong) and read-only ones (the nvfp4
+shifted wrong, an HND side addressed as NHD, an HND head chunk's size without its scales, the few-token
+unit's fp8 bytes 8 bytes off, its -1 slots not skipped, its -1 rows -0.0) and read-only ones (the nvfp4
 sign flipped in the decode, -1 rows -0.0). Only the code the harness executes is mutated; NVRTC compiles the real source.
 """
 
@@ -43,10 +44,24 @@ CODEC_BUGS = {
                                     "for (int c = 0; c + 1 < B; c++) if (c + 2 < B) in[c] = in[c + 1];"),
     "group_batch_not_shifted": ("for (int c = 0; c + 1 < GROUP_BATCH; c++) in[c] = in[c + 1];",
                                 "for (int c = 0; c + 1 < GROUP_BATCH; c++) in[c] = in[c + (c > 0)];"),
+    # the HND address path: an HND side run as one NHD side, a head chunk's scales left out of
+    # the chunk's size
+    "hnd_read_as_nhd": ("*chunks = hnd && S.fmt >= 0 ? S.heads : 1;", "*chunks = 1;"),
+    # the rows of a few tokens a unit (tokens_unit): an odd fp8 lane's 16 bytes 8 bytes off
+    "tokens_unit_fp8_offset": ("const int foff = odd ? off[1] - 8 : off[0];", "const int foff = odd ? off[1] : off[0];"),
+    "tokens_unit_skip_ignored": ("valid[q] = slot[q] >= 0 && slot[q] < limit;", "valid[q] = slot[q] >= -1 && slot[q] < limit;"),
+    "tokens_unit_skip_row_not_zeroed": ("* S.scale : 0.0f;", "* S.scale : -0.0f;"),
+    "hnd_chunk_without_scales": ("S.pool += (u64)(h * (g.data_section + g.scale_row_bytes * block_size));",
+                                 "S.pool += (u64)(h * g.data_section);"),
 }
 KINDS = ["cta_does_nothing", "thread0_does_nothing", "missing_syncthreads", *CODEC_BUGS]
-CASE_OF = {"head_batch_last_not_shifted": "batched_hd128_16heads_bf16", "group_batch_not_shifted": "batched_hd128_16heads_bf16"}
-"""Bugs that need another case than CASE (full batches: 16 heads)."""
+CASE_OF = {"head_batch_last_not_shifted": "batched_hd128_16heads_bf16", "group_batch_not_shifted": "batched_hd128_16heads_bf16",
+           "hnd_read_as_nhd": "hnd_all_formats_hd128_bs16_f32", "hnd_chunk_without_scales": "hnd_all_formats_hd128_bs16_f32",
+           "tokens_unit_fp8_offset": "hnd_all_formats_hd128_bs16_f32",
+           # the chunk path's bugs: a case whose BF16 rows are not 16-byte aligned
+           "skip_slot_ignored": "all_formats_hd64_bs1_bf16_strided",
+           "read_skip_row_not_zeroed": "all_formats_hd64_bs1_bf16_strided"}
+"""Bugs that need another case than CASE (full batches: 16 heads; HND blocks)."""
 
 
 def _planted(text: str, kind: str) -> str:

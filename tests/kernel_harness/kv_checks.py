@@ -19,17 +19,32 @@ from __future__ import annotations
 from .checks import ORDERS
 
 CASES = {
-    # name: (layer formats, (heads, head_dim) per layer, block_size, bf16 input, row padding)
-    "all_formats_hd128_bs16_f32": ("ALL", [(2, 128)], 16, False, 0),
-    "all_formats_hd64_bs1_bf16_strided": ("ALL", [(2, 64)], 1, True, 24),
+    # name: (layer formats, (heads, head_dim) per layer, block_size, bf16 input, row padding,
+    # block layout)
+    "all_formats_hd128_bs16_f32": ("ALL", [(2, 128)], 16, False, 0, "NHD"),
+    # a BF16 row stride of 132 elements (264 bytes: not 16-byte aligned) takes the chunk path;
+    # the float32 outputs of the reads (528 bytes) the few-token one
+    "all_formats_hd64_bs1_bf16_strided": ("ALL", [(2, 64)], 1, True, 4, "NHD"),
     # 16 heads: a warp of the 2-CTA grid gets 14 (token, head) units a side, so the one-path
     # kernels' batches (12 a write, 10 a read) run full and shift; nvfp4's 3 and 4 groups too
     "batched_hd128_16heads_bf16": (["nvfp4", "turbo4", "turbo3", "turbo2", "turbo8", "turbo4k_turbo3v"], [(16, 128)],
-                                   16, True, 0),
+                                   16, True, 0, "NHD"),
     "turbo_hd256_hd512_bs32": (
         ["turbo4", "turbo3", "turbo2", "turbo8", "turbo4k_turbo3v", "fp8k_turbo2v", "nvfp4", "bf16k_turbo4v"],
         [(1, 256), (1, 512), (2, 256), (1, 512), (1, 512), (1, 256), (1, 512), (1, 256)],
-        32, False, 16,
+        32, False, 16, "NHD",
+    ),
+    # HND blocks (a side runs as one one-head side per head chunk): every format at 3 heads;
+    # 16 heads of 128 for the one-path kernels' full batches; mixed per-layer formats and
+    # dims (1 head: HND is NHD's bytes; 4 heads of 64; rotated heads of 256 and 512) with
+    # strided BF16 rows and blocks of one token
+    "hnd_all_formats_hd128_bs16_f32": ("ALL", [(3, 128)], 16, False, 0, "HND"),
+    "hnd_batched_hd128_16heads_bf16": (["nvfp4", "turbo4", "turbo8", "bf16", "fp8k_turbo2v"], [(16, 128)], 16, True, 8,
+                                       "HND"),
+    "hnd_mixed_dims_bs1_bf16_strided": (
+        ["turbo4", "bf16", "nvfp4", "turbo8", "fp8k_turbo2v", "turbo3"],
+        [(2, 256), (1, 64), (4, 64), (2, 512), (3, 64), (4, 128)],
+        1, True, 24, "HND",
     ),
 }
 
@@ -46,13 +61,13 @@ from pagedkv.kv.pools import KvPools
 STUB.stub_set_device(2, 9, 0)
 STUB.stub_set_occupancy(1)   # 2 SMs x 1 CTA: every launch's grid-stride loop wraps
 ORDERS = {orders!r}
-FORMATS, DIMS, BLOCK_SIZE, BF16_IN, PAD = {case!r}
+FORMATS, DIMS, BLOCK_SIZE, BF16_IN, PAD, LAYOUT = {case!r}
 if FORMATS == "ALL":
     FORMATS = [f.value for f in KvCacheDtype]
 DIMS = DIMS * (len(FORMATS) // len(DIMS)) if len(DIMS) == 1 else DIMS
 config = KvCacheConfig(block_size=BLOCK_SIZE, num_kv_heads=DIMS[0][0], head_dim=DIMS[0][1],
                        num_layers=len(FORMATS), dtype=FORMATS[0], layer_dtypes=tuple(FORMATS),
-                       layer_dims=tuple(DIMS))
+                       layer_dims=tuple(DIMS), layout=LAYOUT)
 NUM_BLOCKS = max(3, 16 // BLOCK_SIZE)
 TOKENS = 7
 rng = np.random.default_rng(10)
@@ -128,8 +143,8 @@ for order in ORDERS:
             (kp, ks), (vp, vs) = device_rows(gpu, k), device_rows(gpu, v)
             gpu.kv_write_rows(
                 slots, TOKENS, heads, head_dim, BLOCK_SIZE, slots_total,
-                KvSideArgs(k_fmt, pools.k_pool(layer), pools.k_stride(layer), kp, ks, BF16_IN, K_SCALE),
-                KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), vp, vs, BF16_IN, V_SCALE),
+                KvSideArgs(k_fmt, pools.k_pool(layer), pools.k_stride(layer), kp, ks, BF16_IN, K_SCALE, layout=LAYOUT),
+                KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), vp, vs, BF16_IN, V_SCALE, layout=LAYOUT),
                 stream)
             rec = launch(-1)[0]
             pair = {{k_fmt.value, v_fmt.value}}
@@ -162,8 +177,10 @@ for order in ORDERS:
                         gpu.copy_h2d(np.full(TOKENS * (n + PAD) * width, 0x5A, np.uint8), o)
                     gpu.kv_read_rows(
                         slots, TOKENS, heads, head_dim, BLOCK_SIZE, slots_total,
-                        KvSideArgs(k_fmt, pools.k_pool(layer), pools.k_stride(layer), outs[0], n + PAD, out_bf16, K_SCALE, unrot),
-                        KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), outs[1], n + PAD, out_bf16, V_SCALE, unrot),
+                        KvSideArgs(k_fmt, pools.k_pool(layer), pools.k_stride(layer), outs[0], n + PAD, out_bf16, K_SCALE, unrot,
+                                   layout=LAYOUT),
+                        KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), outs[1], n + PAD, out_bf16, V_SCALE, unrot,
+                                   layout=LAYOUT),
                         stream)
                     gpu.synchronize(stream)
                     for side, o, want in zip("KV", outs, want_reads[(layer, unrot)]):

@@ -24,9 +24,11 @@ from __future__ import annotations
 from .checks import ORDERS
 
 CASES = {
-    # name: (layer formats, (heads, head_dim) per layer, block_size)
+    # name: (layer formats, (heads, head_dim) per layer, block_size[, block layout: NHD])
     "all_formats_hd128_bs16": ("ALL", [(2, 128)], 16),
     "all_formats_hd64_hd48_bs1": ("ALL", [(2, 64), (1, 48)], 1),
+    # HND blocks: the grouped formats' blocks go to the kernel as their head chunks
+    "hnd_all_formats_hd64_hd48_bs16": ("ALL", [(3, 64), (2, 48)], 16, "HND"),
     "turbo_hd256_hd512_bs32": (
         ["turbo4", "turbo3", "turbo2", "turbo8", "nvfp4", "fp8", "turbo4k_turbo3v", "fp8k_turbo2v"],
         [(1, 256), (1, 512), (1, 256), (1, 512), (1, 256), (1, 512), (1, 512), (1, 256)],
@@ -55,13 +57,13 @@ STUB.stub_set_device(SMS, 9, 0)
 if SMS == 2:
     STUB.stub_set_occupancy(1)   # 2 CTAs: the partial pass's grid-stride loop wraps
 ORDERS = {orders!r}
-FORMATS, DIMS, BLOCK_SIZE = {case!r}
+FORMATS, DIMS, BLOCK_SIZE, LAYOUT = {case!r}
 if FORMATS == "ALL":
     FORMATS = [f.value for f in KvCacheDtype]
 DIMS = [DIMS[i % len(DIMS)] for i in range(len(FORMATS))]
 config = KvCacheConfig(block_size=BLOCK_SIZE, num_kv_heads=DIMS[0][0], head_dim=DIMS[0][1],
                        num_layers=len(FORMATS), dtype=FORMATS[0], layer_dtypes=tuple(FORMATS),
-                       layer_dims=tuple(DIMS))
+                       layer_dims=tuple(DIMS), layout=LAYOUT)
 NB = 7
 SETS = (([1, 2, 0, 3, 1], 2), ([4, 5, 0], 1), ([6, 6], 1))   # (blocks, boundary) of checksum_per_layer
 PER_BLOCK = [0, 2, 5, 6]                                      # blocks of per_block, every layer
@@ -124,8 +126,9 @@ def reference(host, pools, layer, side, blocks):
     heads, head_dim = DIMS[layer]
     nbytes = side_bytes(fmt, BLOCK_SIZE * heads * head_dim)
     ptr, stride = sides(pools, layer)["KV".index(side)]
+    nhd = config.side_layout(layer, side).to_nhd   # the codecs decode NHD bytes
     x = np.concatenate([np.zeros(0, np.float32)] + [
-        decode(host.view(ptr.offset(b * stride), nbytes), fmt, BLOCK_SIZE, heads, head_dim, unrotate=False).ravel()
+        decode(nhd(host.view(ptr.offset(b * stride), nbytes)), fmt, BLOCK_SIZE, heads, head_dim, unrotate=False).ravel()
         for b in blocks]).astype(np.float64)
     if np.isfinite(x).all():
         return (math.fsum(x.tolist()) + 0.0, math.fsum((x * x).tolist()) + 0.0, math.fsum(np.abs(x).tolist()) + 0.0)
@@ -159,8 +162,10 @@ for order in ORDERS:
             gpu.copy_h2d(rows, rp)
             k_fmt, v_fmt = config.dtype_for_layer(layer).kv_pair()
             gpu.kv_write_rows(slots, 2, heads, head_dim, BLOCK_SIZE, NB * BLOCK_SIZE,
-                              KvSideArgs(k_fmt, pools.k_pool(layer), pools.k_stride(layer), rp, heads * head_dim),
-                              KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), rp, heads * head_dim),
+                              KvSideArgs(k_fmt, pools.k_pool(layer), pools.k_stride(layer), rp, heads * head_dim,
+                                         layout=LAYOUT),
+                              KvSideArgs(v_fmt, pools.v_pool(layer), pools.v_stride(layer), rp, heads * head_dim,
+                                         layout=LAYOUT),
                               stream)
             gpu.synchronize(stream)
             gpu.free(rp)
@@ -170,7 +175,8 @@ for order in ORDERS:
             layer = next(i for i, f in enumerate(FORMATS) if config.dtype_for_layer(i).kv_pair()[1].value != "bf16")
             v_fmt = config.dtype_for_layer(layer).kv_pair()[1]
             got_direct = gpu.reduce_kv_blocks(pools.regions(), pools.region_index(layer, "V"), [1, 2, 0, 3, 1], v_fmt,
-                                              BLOCK_SIZE, DIMS[layer][0] * DIMS[layer][1], stream)
+                                              BLOCK_SIZE, DIMS[layer][0] * DIMS[layer][1], stream, layout=LAYOUT,
+                                              heads=DIMS[layer][0])
             (part, _), (fin, _) = launch(-2), launch(-1)
             assert (part.name, fin.name, fin.grid[0]) == (b"pagedkv_kv_checksum_partial", b"pagedkv_kv_checksum_final", 1)
             assert part.grid[0] == (2 if SMS == 2 else 5), part.grid[0]
@@ -214,4 +220,4 @@ print("CHECK checksum ok")
 def checksum_case_body(case: str, sms: int, orders=ORDERS) -> str:
     """The subprocess body of checksum case `case` (a key of CASES) on a stub of `sms` SMs;
     prints `CHECK checksum ok` when every assertion held."""
-    return _BODY.format(orders=tuple(orders), case=CASES[case], sms=sms)
+    return _BODY.format(orders=tuple(orders), case=(*CASES[case], "NHD")[:4], sms=sms)

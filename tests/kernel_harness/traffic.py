@@ -287,30 +287,33 @@ with CudaBackend(copy_batch="kernel") as gpu:
     slot_ptr = gpu.alloc(slot_host.nbytes)
     gpu.copy_h2d(slot_host, slot_ptr)
     slots = DeviceArray(slot_ptr, (TOKENS,), "int64")
-    for fmt in FORMATS:
-        config = KvCacheConfig(block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM, num_layers=2, dtype=fmt)
+    for fmt, layout in [(f, layout) for layout in ("NHD", "HND") for f in FORMATS]:
+        config = KvCacheConfig(block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM, num_layers=2, dtype=fmt,
+                               layout=layout)
         cache = PagedKvCache(config, 8, gpu)
         cache.alloc_blocks(8)
         sync()
-        if fmt == "bf16":
+        tag = "" if layout == "NHD" else "_hnd"   # the HND workloads: kv_write_hnd/bf16, ...
+        if fmt == "bf16" and layout == "NHD":
             label("fill")
             cache.fill_blocks(list(range(8)), 0x5A, gpu, stream); sync()
             label("copy_blocks")
             cache.copy_blocks([(i, i + 4) for i in range(4)], gpu, stream); sync()
-        label(f"kv_write/{{fmt}}")
+        label(f"kv_write{{tag}}/{{fmt}}")
         cache.write_tokens(0, slots, k, v, gpu, stream); sync()
-        label(f"kv_read/{{fmt}}")
+        label(f"kv_read{{tag}}/{{fmt}}")
         cache.read_tokens(0, slots, gpu, out_k=out_k, out_v=out_v, stream=stream); sync()
-        label(f"kv_write_layers/{{fmt}}")
+        label(f"kv_write_layers{{tag}}/{{fmt}}")
         plan = cache.plan_layer_writes([0, 1], [k, k], [v, v], gpu)
         plan.write(slots, stream); sync()
         plan.close()
         pools = cache.pools()
         side = KvCacheDtype.parse(fmt)
-        label("reduce_bf16" if fmt == "bf16" else f"kv_checksum/{{fmt}}")
-        gpu.reduce_kv_blocks(pools.regions(), pools.region_index(0, "K"), list(range(8)), side, BLOCK,
-                             HEADS * HEAD_DIM, stream)
-        sync()
+        if not (fmt == "bf16" and layout == "HND"):   # bf16 sums know no layout: the BF16 reduction
+            label("reduce_bf16" if fmt == "bf16" else f"kv_checksum{{tag}}/{{fmt}}")
+            gpu.reduce_kv_blocks(pools.regions(), pools.region_index(0, "K"), list(range(8)), side, BLOCK,
+                                 HEADS * HEAD_DIM, stream, layout=layout, heads=HEADS)
+            sync()
         cache.release(gpu)
     label("copy_batch")
     a, b = gpu.alloc(1 << 20), gpu.alloc(1 << 20)

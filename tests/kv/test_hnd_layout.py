@@ -9,7 +9,6 @@ import pytest
 import structlog
 
 from pagedkv import HostBackend, KvCacheConfig, KvCacheDtype, PagedKvCache
-from pagedkv.backends.capabilities import BackendFeatureMissing
 from pagedkv.core.layout import SideLayout
 from pagedkv.tiers.host_tier import HostTier
 
@@ -153,16 +152,26 @@ def test_config_refuses_bad_layout_and_nhd_stays_default():
         KvCacheConfig(**base, layout="nhd")
 
 
-def test_kernel_backend_refuses_hnd_before_allocating():
-    class KernelHost(HostBackend):
-        def kv_write_rows(self, *args):  # what marks a backend with the KV row kernels
-            raise AssertionError("never called")
+def test_device_sides_carry_their_layout_into_the_launch():
+    """A KvSideArgs names its pool's layout (a bad one refused, naming it); the layer table
+    packs it as the side's hnd flag; the grid counts an HND side's units head by head (each
+    one-head side rounding up), as kv_rows.cu's kv_launch runs it."""
+    from pagedkv.driver.kv_kernels import KvKernels, KvLayer, KvSideArgs, layers_units, side_units
 
-    gpu = KernelHost(capacity_bytes=1 << 20)
-    config = KvCacheConfig(block_size=4, num_kv_heads=2, head_dim=16, num_layers=1, dtype="bf16", layout="HND")
-    with pytest.raises(BackendFeatureMissing, match="layout='HND' on KernelHost: its KV row and checksum kernels"):
-        PagedKvCache(config, 4, gpu)
-    assert gpu.live_allocations() == 0
+    with pytest.raises(ValueError, match="layout must be one of NHD, HND, got 'hnd'"):
+        KvSideArgs(KvCacheDtype.BF16, 0, 64, 0, 32, layout="hnd")
+    sides = [KvSideArgs(KvCacheDtype.BF16, 4096, 2048, 8192, 512, layout=layout) for layout in ("HND", "NHD")]
+    raw = KvKernels().kv_layer_table([(4, 128, *sides)])
+    entry = KvLayer.from_buffer_copy(raw)
+    assert [side.hnd for side in entry.side] == [1, 0]
+    assert (side_units(0, 4, 128, -1, 3), side_units(0, 4, 128, -1, 3, hnd=True)) == (3, 4)   # 3 x 32 chunks; 4 x ceil(24 / 32)
+    assert side_units(3, 4, 128, 0, 3, hnd=True) == side_units(3, 4, 128, 0, 3) == 12        # rotated: a (token, head) a warp
+    assert layers_units((KvLayer * 1).from_buffer_copy(raw)) == (-(-(4 * 8 + 32) // 32), 5)   # per token, fixed
+    # kv_launch counts (side, head chunk) in one int: the driver refuses what would not fit
+    with pytest.raises(ValueError, match="heads is 65536, more than a row launch's 65535"):
+        KvKernels().kv_layer_table([(65536, 16, *sides)])
+    with pytest.raises(ValueError, match="a layer table of 16384 layers is more than a row launch's 16383"):
+        KvKernels().kv_layer_table([(4, 128, *sides)] * 16384)
 
 
 def test_disk_layout_records_hnd_and_refuses_the_other_layout():

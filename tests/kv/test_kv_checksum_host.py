@@ -110,6 +110,36 @@ def test_checksum_geometry_is_checked_before_any_launch():
         check_kv_side_row(regions, 1, KvCacheDtype.TURBO8, 16, 32)
 
 
+def test_hnd_blocks_go_to_the_checksum_kernel_as_their_head_chunks():
+    """kv_kernels.checksum_chunks: an HND block of a grouped format is handed over as its
+    head chunks (each an NHD block of one head), chunk h of block b at b * stride + h *
+    chunk; NHD, one head and bf16 / fp8 keep their blocks; bad geometry is refused naming it."""
+    from pagedkv.core.layout import SideLayout
+    from pagedkv.driver.kv_kernels import checksum_chunks
+
+    nvfp4 = KvCacheDtype.NVFP4
+    chunk = SideLayout(nvfp4, 16, 4, 32, "HND").chunk_bytes   # 16 x (16 + 2) = 288
+    blocks = np.array([2, 0], np.int64)
+    got, stride, row = checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "HND", 4)
+    assert (got.tolist(), stride, row) == ([8, 9, 10, 11, 0, 1, 2, 3], chunk, 32)
+    got, stride, _ = checksum_chunks(blocks, nvfp4, 16, 128, 8 * chunk, "HND", 4)   # blocks 2 strides apart
+    assert (got.tolist(), stride) == ([16, 17, 18, 19, 0, 1, 2, 3], chunk)
+    for args in ((nvfp4, "NHD", 4), (nvfp4, "HND", 1), (KvCacheDtype.FP8, "HND", 4), (KvCacheDtype.BF16, "HND", 4)):
+        fmt, layout, heads = args
+        got, stride, row = checksum_chunks(blocks, fmt, 16, 128, 4 * chunk, layout, heads)
+        assert (got.tolist(), stride, row) == ([2, 0], 4 * chunk, 128), args
+    with pytest.raises(ValueError, match="layout must be one of NHD, HND, got 'nhd'"):
+        checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "nhd", 4)
+    with pytest.raises(ValueError, match="heads must split 128 values a token into heads of a multiple of 16, got 3"):
+        checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "HND", 3)
+    with pytest.raises(ValueError, match="heads"):
+        checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "HND", 0)
+    with pytest.raises(ValueError, match="an HND block stride of 1160 bytes is not a whole number of 288-byte head chunks"):
+        checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk + 8, "HND", 4)
+    with pytest.raises(ValueError, match="head chunk index 2147483651 is above the kernels' limit 2147483647"):
+        checksum_chunks(np.array([2**29], np.int64), nvfp4, 16, 128, 4 * chunk, "HND", 4)
+
+
 class DeviceReducing(HostBackend):
     """A HostBackend with the optional `reduce_kv_blocks` (here the host decode of the one
     side), recording each call; copy_d2h calls are recorded too."""
@@ -122,8 +152,10 @@ class DeviceReducing(HostBackend):
         self.calls.append("copy_d2h")
         super().copy_d2h(src, dst)
 
-    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream):
+    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream, layout, heads):
         from pagedkv.codecs import decode
+
+        assert (layout, heads) == ("NHD", 2)
         from pagedkv.core.dtype import side_bytes
 
         self.calls.append(("reduce_kv", region, tuple(int(b) for b in blocks), fmt.value, block_size, row_elements))
