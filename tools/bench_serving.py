@@ -99,10 +99,11 @@ def _table_steps(system, schedule, total: int, out: dict):
     table = SequenceTable(cache, PrefixCache(cache))
     table.add("system", system)  # the engine keeps the system prompt cached and held
     table.cache_prefix("system")
-    add, append, free = table.add, table.append, table.free
+    add, append_decode, free = table.add, table.append_decode, table.free
     life = [0] * NUM_SEQS
     pos = [0] * NUM_SEQS
     ids = [(s, 0) for s in range(NUM_SEQS)]  # each slot's current request id, kept as an engine keeps it
+    step_tokens = [0] * NUM_SEQS
     for s in range(NUM_SEQS):
         add(ids[s], schedule[s][0][0])
     for _ in range(total):
@@ -117,8 +118,9 @@ def _table_steps(system, schedule, total: int, out: dict):
                 pos[s] = p = 0
                 prompt, decode = schedule[s][life[s]]
                 add(ids[s], prompt)
-            append(ids[s], 1, [decode[p]])
+            step_tokens[s] = decode[p]
             pos[s] = p + 1
+        append_decode(ids, step_tokens)  # the step's one token per sequence, in one call
     yield
     table.check_invariants()
     out["evictions"] = cache.attached_prefix_cache().stats().evictions

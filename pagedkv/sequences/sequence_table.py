@@ -32,6 +32,7 @@ from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from .batch import KeptBatch
 from .block_keys import block_keys, extra_key_ranges, with_ranges
+from .decode_step import DecodeSteps
 from .drafting import DraftingSteps
 from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports, SequenceQueries
 from .hybrid_table import HybridSequenceTable
@@ -62,7 +63,7 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 class _Seq:
     __slots__ = (
         "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
-        "lookahead", "salt", "row",
+        "lookahead", "salt", "row", "mark",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -78,6 +79,7 @@ class _Seq:
         self.lookahead = 0  # the last `lookahead` of num_tokens are draft positions (slots, no committed id)
         self.salt = None  # the prefix cache's key context (cache salt, extra keys) of the prompt
         self.row = -1  # row in the table's persistent batch (KeptBatch)
+        self.mark = 0  # the latest append_decode call that counted this record
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks, `maybe_shared` or `lookahead` changed (-1, no
@@ -90,7 +92,7 @@ class _Seq:
         return other
 
 
-class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSteps):
+class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSteps, DecodeSteps):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
