@@ -7,7 +7,9 @@ starts with the same 1,024-token system prompt; a sequence that reaches its leng
 of them repeating an earlier prompt; the cache is sized so that finished sequences' cached
 blocks must be evicted to make room. It runs once through `SequenceTable` and once as the
 same work written directly against `PagedKvCache` and `PrefixCache`; the floor is
-SequenceTable within 1.1x of the direct path.
+SequenceTable within 1.1x of the direct path. The table way gives the step's tokens in one
+`append_decode` call after the step's frees and arrivals (an engine's natural call); the
+direct way appends inline, its own best (both evict the same blocks: checked each run).
 
 The prefix operations (direct path, 4,096-token prompt, block size 16): `match` + `free_blocks`
 of a fully cached prompt, and the first-time `insert` of a prompt. Their floor is 1.3x faster

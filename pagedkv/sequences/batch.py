@@ -268,7 +268,10 @@ class KeptBatch:
     def seq_lens(self, seqs: list[Any], block_size: int) -> np.ndarray:
         """int32 tokens the held blocks of each of `seqs` cover (`num_tokens` less what a
         sliding window released)."""
-        return np.fromiter([s.num_tokens - s.dropped * block_size for s in seqs], dtype=np.int32, count=len(seqs))
+        lens = np.fromiter([s.num_tokens for s in seqs], dtype=np.int32, count=len(seqs))
+        if self.windowed:  # (else no record dropped a block)
+            lens -= np.fromiter([s.dropped for s in seqs], dtype=np.int32, count=len(seqs)) * block_size
+        return lens
 
     def slot_mapping(self, seqs: list[Any], rows: np.ndarray | None, block_size: int, pad_to: int | None) -> np.ndarray:
         """int64 slots of the positions each of `seqs` (rows `rows`) introduced in its latest

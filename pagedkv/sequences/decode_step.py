@@ -51,18 +51,16 @@ class DecodeSteps:
             raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
         mark = self._decode_mark = self._decode_mark + 1
         get = self._seqs.get
-        done: list[Any] = []  # records counted in the pass, in order
-        starts: list[int] = []  # their step starts before it
+        starts: list[int] = []  # the step starts, before this call, of the records counted in the pass
         later: list[tuple[Any, int]] = []  # (record, token) to grow after the pass
         for seq_id, token in zip(seq_ids, tokens):
             seq = get(seq_id)
             if seq is None or seq.mark == mark or seq.lookahead:
-                self._undo_counted(done, starts)
+                self._undo_counted(seq_ids, starts, later)
                 raise self._refused(seq_id, seq, mark)
             seq.mark = mark
             old = seq.num_tokens
             if old < seq.room:  # room in a private last block (the one-token fast path)
-                done.append(seq)
                 starts.append(seq.step_start)
                 seq.num_tokens = old + 1
                 seq.step_start = old
@@ -74,13 +72,16 @@ class DecodeSteps:
             try:
                 self._grow_step(later)
             except BaseException:
-                self._undo_counted(done, starts)
+                self._undo_counted(seq_ids, starts, later)
                 raise
 
-    @staticmethod
-    def _undo_counted(done: list[Any], starts: list[int]) -> None:
-        """Take back the tokens the pass counted (newest first)."""
-        for seq, start in zip(reversed(done), reversed(starts)):
+    def _undo_counted(self, seq_ids: Sequence[Hashable], starts: list[int], later: list[tuple[Any, int]]) -> None:
+        """Take back the tokens the pass counted: the records of the first `len(starts) +
+        len(later)` ids other than those of `later` (each id appears once up to there)."""
+        grown = {id(seq) for seq, _ in later}
+        get = self._seqs.get
+        counted = [seq for seq in map(get, seq_ids[: len(starts) + len(later)]) if id(seq) not in grown]
+        for seq, start in zip(counted, starts):
             seq.num_tokens -= 1
             if seq.tokens_known:
                 seq.tokens.pop()
