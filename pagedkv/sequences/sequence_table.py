@@ -7,7 +7,8 @@ match and allocates the rest; `append` allocates only when a block boundary is c
 and drops its references tail first. With `config.cache_blocks_per_seq = N` a sequence
 holds at most its N newest blocks (sliding window).
 
-Token ids: `add` takes the prompt's ids; `append` takes ids or only a count. The table
+Token ids: `add` takes the prompt's ids; `append` takes ids or only a count;
+`append_decode` (`decode_step`) gives many sequences one id each in one call. The table
 remembers a sequence's ids up to its first token given only as a count, and only blocks
 wholly inside that known run are ever offered to the prefix cache. A sequence whose window
 has dropped a block is never offered (its chain no longer starts at the prompt).

@@ -204,3 +204,14 @@ def test_a_backend_error_frees_the_new_blocks():
     table.append_decode(["b", "a"], [1, 2])
     assert [len(table.blocks(s)) for s in "ab"] == [2, 1]
     table.check_invariants()
+
+
+def test_readme_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "append_decode" in b]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["table"].num_tokens("a") == 5
