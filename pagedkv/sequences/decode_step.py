@@ -50,6 +50,7 @@ class DecodeSteps:
         if len(tokens) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
         mark = self._decode_mark = self._decode_mark + 1
+        self._batch.stale()  # (the exports' kept gather of token counts)
         get = self._seqs.get
         starts: list[int] = []  # the step starts, before this call, of the records counted in the pass
         later: list[tuple[Any, int]] = []  # (record, token) to grow after the pass
