@@ -307,10 +307,23 @@ class KeptBatch:
         starts, ends = self._gather(seqs, rows)
         counts = ends - starts
         total = int(counts.sum())
-        if total == n and (n == 0 or int(counts.min()) == 1):
-            # a decode step: one position each, the row's last (its block is the last held one)
+        odd = np.flatnonzero(counts != 1) if total != n or (n and int(counts.min()) != 1) else None
+        if odd is None or odd.size <= SPLICE_ROWS:
+            # a decode step: one position each, the row's last (its block is the last held
+            # one); the few other rows (an arrival's prompt, a truncated row) spliced in
             tail = self.tail[:n] if rows is None else self.tail[rows]
             slots = tail * bs + starts % bs
+            if odd is not None:
+                pieces, prev = [], 0
+                for r in odd.tolist():
+                    pieces.append(slots[prev:r])
+                    row = r if rows is None else int(rows[r])
+                    positions = np.arange(int(starts[r]), int(ends[r]), dtype=np.int64)
+                    column = positions // bs - int(self.dropped[row])
+                    pieces.append(self.table[row, column].astype(np.int64) * bs + positions % bs)
+                    prev = r + 1
+                pieces.append(slots[prev:])
+                slots = np.concatenate(pieces)
         else:
             if rows is None:
                 rows = self._all_rows(n)
