@@ -56,7 +56,7 @@ class DecodeSteps:
         later: list[tuple[Any, int]] = []  # (record, token) to grow after the pass
         for seq_id, token in zip(seq_ids, tokens):
             seq = get(seq_id)
-            if seq is None or seq.mark == mark or seq.lookahead:
+            if seq is None or seq.mark == mark:
                 self._undo_counted(seq_ids, starts, later)
                 raise self._refused(seq_id, seq, mark)
             seq.mark = mark
@@ -67,6 +67,9 @@ class DecodeSteps:
                 seq.step_start = old
                 if seq.tokens_known:
                     seq.tokens.append(token)
+            elif seq.lookahead:  # (a record with drafts has no room: it always comes here)
+                self._undo_counted(seq_ids, starts, later)
+                raise self._refused(seq_id, seq, mark)
             else:
                 later.append((seq, token))
         if later:
@@ -92,12 +95,12 @@ class DecodeSteps:
     def _refused(seq_id: Hashable, seq: Any, mark: int) -> Exception:
         if seq is None:
             return KeyError(f"unknown sequence {seq_id!r}")
-        if seq.mark == mark:
-            return ValueError(f"sequence {seq_id!r} appears twice in seq_ids")
-        return ValueError(
-            f"sequence {seq_id!r} holds {seq.lookahead} draft position(s): append_decode takes no drafts "
-            "(take them back with append or truncate)"
-        )
+        if seq.lookahead:  # (refused at its first occurrence: never a repeat)
+            return ValueError(
+                f"sequence {seq_id!r} holds {seq.lookahead} draft position(s): append_decode takes no drafts "
+                "(take them back with append or truncate)"
+            )
+        return ValueError(f"sequence {seq_id!r} appears twice in seq_ids")
 
     def _grow_step(self, later: list[tuple[Any, int]]) -> None:
         """Grow each record of `later` by its one token: a new block at a block boundary, a
@@ -162,6 +165,6 @@ class DecodeSteps:
             seq.num_tokens, seq.step_start = old + 1, old
             if seq.tokens_known:
                 seq.tokens.append(token)
-            seq.settle(bs)
+            seq.room = (seq.dropped + len(blocks)) * bs  # (`settle`: no drafts, no longer shared)
         if released:
             allocator.free_blocks(released)
