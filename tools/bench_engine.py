@@ -2,7 +2,11 @@
 serving mix (tools/bench_serving.py: 256 sequences decoding, arrivals, finishes, eviction)
 on the host, as an engine pays it every decode step:
 
-- bookkeeping: the step's `free` / `add` / `append` calls through `SequenceTable`;
+- bookkeeping: the step's `free` / `add` calls and its appends through `SequenceTable`:
+  ours gives every decoding sequence its token in one `append_decode(ids, tokens)` call (an
+  engine's scheduler allocates a step's slots in one pass); the reference, which has no
+  batched append, keeps its best calls, one `append(id, 1, [token])` per sequence, its
+  one-token fast path (both make the same changes: tests/sequences/test_decode_step.py);
 - exports: `block_table` + `slot_mapping` (the pair attention needs), then `page_table` and
   the sequence lengths, for all 256 sequences;
 - views: `k_view` / `v_view` of every layer (32) handed to a consumer (`torch.from_dlpack`
@@ -101,21 +105,38 @@ def _steps(lib, system, schedule, total: int, spent: list[list[float]], kept: bo
     table.free("system")  # (still cached; the batch is the 256 decoding sequences)
     clock = time.process_time
     layers = range(LAYERS)
+    batched = getattr(table, "append_decode", None) if kept else None  # (the reference has none)
+    step_tokens = [0] * NUM_SEQS
     for _ in range(total):
         yield
         t0 = clock()
-        for s in range(NUM_SEQS):
-            decode = schedule[s][life[s]][1]
-            p = pos[s]
-            if p == len(decode):
-                free(ids[s])
-                life[s] += 1
-                ids[s] = (s, life[s])
-                pos[s] = p = 0
-                prompt, decode = schedule[s][life[s]]
-                add(ids[s], prompt)
-            append(ids[s], 1, [decode[p]])
-            pos[s] = p + 1
+        if batched is not None:  # ours: frees and arrivals, then the step's appends in one call
+            for s in range(NUM_SEQS):
+                decode = schedule[s][life[s]][1]
+                p = pos[s]
+                if p == len(decode):
+                    free(ids[s])
+                    life[s] += 1
+                    ids[s] = (s, life[s])
+                    pos[s] = p = 0
+                    prompt, decode = schedule[s][life[s]]
+                    add(ids[s], prompt)
+                step_tokens[s] = decode[p]
+                pos[s] = p + 1
+            batched(ids, step_tokens)
+        else:  # the reference: its best calls, one append per sequence
+            for s in range(NUM_SEQS):
+                decode = schedule[s][life[s]][1]
+                p = pos[s]
+                if p == len(decode):
+                    free(ids[s])
+                    life[s] += 1
+                    ids[s] = (s, life[s])
+                    pos[s] = p = 0
+                    prompt, decode = schedule[s][life[s]]
+                    add(ids[s], prompt)
+                append(ids[s], 1, [decode[p]])
+                pos[s] = p + 1
         t1 = clock()
         if kept:
             table.block_table()

@@ -5,8 +5,8 @@ the radix tree of whole blocks and its walk (`tree`), chained hashes (`hashing`)
 (`events`), the eviction policy (`eviction`: LRU today, one object a retention policy can
 replace), and the host-tier demotion and promotion (`tiering`; the disk tier's in
 `disk_tiering`). `SequenceTable`
-(`sequence_table`) keeps per-sequence block tables; its kernel exports live in `exports`
-and its side of the reserve/confirm protocol with the prefix cache in `reuse`.
+(`sequence_table`) keeps per-sequence block tables; its kernel exports live in `exports`,
+its batched decode append (`append_decode`) in `decode_step`, and its side of the reserve/confirm protocol with the prefix cache in `reuse`.
 
 May import: `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`,
 `pagedkv.backends`, `pagedkv.core`, `pagedkv.errors`.

@@ -11,7 +11,9 @@ Kept arrays (rows past n and entries past a row's length are always -1 / 0):
 - `table[row, :lens[row]]`: the row's held blocks, oldest first (int32, -1 padded);
 - `lens[row]`: its held block count; `dropped[row]`: blocks the window released.
 Token counts and step starts stay on the sequence records (the per-token hot path writes
-no array); exports gather them, one attribute read per row.
+no array); exports gather them, one attribute read per row. The whole batch's gather is kept
+(`gathered`) until the owner reports a change (`stale()`, or any of the row calls below), so
+one step's `slot_mapping`, `page_table` and `seq_lens` gather once between them.
 
 Dirty rows since the last device upload of the batch's block table are kept as one
 contiguous range `[lo, hi)`, so that upload copies only that range when its width is
@@ -52,7 +54,7 @@ class KeptBatch:
     `block_appended`/`rewrite` after it changed a record's blocks or `dropped`."""
 
     __slots__ = ("seqs", "ids", "table", "lens", "dropped", "windowed", "arange", "lo", "hi", "dev_width", "dev_rows",
-                 "tail", "pt_indices", "pt_lens", "pt_ptr", "pt_from", "pt_grown")
+                 "tail", "pt_indices", "pt_lens", "pt_ptr", "pt_from", "pt_grown", "gathered")
 
     def __init__(self) -> None:
         self.seqs: list[Any] = []  # row -> record
@@ -71,6 +73,7 @@ class KeptBatch:
         self.pt_ptr = np.zeros(1, dtype=np.int32)  # the indptr then
         self.pt_from = _NO_ROWS  # the first row changed other than by appended blocks since
         self.pt_grown = 0  # blocks appended to rows since (an upper bound on the rows that grew)
+        self.gathered: tuple[np.ndarray, np.ndarray] | None = None  # every row's (step starts, num_tokens)
 
     # -- keeping -------------------------------------------------------------------------
 
@@ -94,6 +97,24 @@ class KeptBatch:
         if new_width > cap_width:
             self.dev_width = -1  # (the device layout follows the export width, not this capacity)
 
+    def stale(self) -> None:
+        """A record's `num_tokens` or `step_start` changed: the kept gather is dropped."""
+        self.gathered = None
+
+    def _gather(self, seqs: list[Any], rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """int64 (step starts, num_tokens) of `seqs`; of the whole batch (`rows` None) kept
+        until `stale()` (never changed in place)."""
+        if rows is None:
+            kept = self.gathered
+            if kept is not None:
+                return kept
+        n = len(seqs)
+        pair = (np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n),
+                np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n))
+        if rows is None:
+            self.gathered = pair
+        return pair
+
     def _touch(self, row: int) -> None:
         if row < self.lo:
             self.lo = row
@@ -102,6 +123,7 @@ class KeptBatch:
 
     def add(self, seq_id: Hashable, seq: Any) -> None:
         """Give `seq` the next row and write its blocks there."""
+        self.gathered = None
         row = len(self.seqs)
         blocks = seq.blocks
         self._reserve(row + 1, len(blocks))
@@ -120,6 +142,7 @@ class KeptBatch:
 
     def remove(self, seq: Any) -> None:
         """Drop `seq`'s row; the last row's sequence moves into it."""
+        self.gathered = None
         row, last = seq.row, len(self.seqs) - 1
         table, lens = self.table, self.lens
         if row != last:
@@ -143,7 +166,8 @@ class KeptBatch:
             self.dev_rows = last
 
     def block_appended(self, seq: Any) -> None:
-        """`seq.blocks` grew by one block at its end (nothing else changed)."""
+        """`seq.blocks` grew by one block at its end (its token counts may change too)."""
+        self.gathered = None
         row, blocks = seq.row, seq.blocks
         k = len(blocks)  # (the kept length is k - 1: the records and the rows agree)
         table = self.table
@@ -160,6 +184,7 @@ class KeptBatch:
 
     def rewrite(self, seq: Any) -> None:
         """Write `seq`'s row again from its record (after any change of its blocks or `dropped`)."""
+        self.gathered = None
         row, blocks = seq.row, seq.blocks
         n = len(blocks)
         self._reserve(len(self.seqs), n)
@@ -261,28 +286,44 @@ class KeptBatch:
             np.cumsum(lens, out=indptr[1:])
             indices = sub[sub >= 0]  # row-major: each row's held blocks in order (-1 pads the rest)
         dropped = self.dropped[:n] if rows is None else self.dropped[rows]
-        tokens = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
+        tokens = self._gather(seqs, rows)[1]
         last = np.where(lens > 0, tokens - (dropped + lens - 1) * block_size, 0).astype(np.int32)
         return PageTable(indptr, indices.astype(np.int32, copy=False), last)
 
-    def seq_lens(self, seqs: list[Any], block_size: int) -> np.ndarray:
-        """int32 tokens the held blocks of each of `seqs` cover (`num_tokens` less what a
-        sliding window released)."""
-        return np.fromiter([s.num_tokens - s.dropped * block_size for s in seqs], dtype=np.int32, count=len(seqs))
+    def seq_lens(self, seqs: list[Any], rows: np.ndarray | None, block_size: int) -> np.ndarray:
+        """int32 tokens the held blocks of each of `seqs` (rows `rows`, None: every row)
+        cover (`num_tokens` less what a sliding window released), a new array."""
+        lens = self._gather(seqs, rows)[1].astype(np.int32)
+        if self.windowed:  # (else no record dropped a block)
+            dropped = self.dropped[: len(seqs)] if rows is None else self.dropped[rows]
+            lens -= (dropped * block_size).astype(np.int32)
+        return lens
 
     def slot_mapping(self, seqs: list[Any], rows: np.ndarray | None, block_size: int, pad_to: int | None) -> np.ndarray:
         """int64 slots of the positions each of `seqs` (rows `rows`) introduced in its latest
         step, in order, -1 padded to `pad_to` (ValueError when fewer than the slots)."""
         n = len(seqs)
         bs = block_size
-        starts = np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n)
-        ends = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
+        starts, ends = self._gather(seqs, rows)
         counts = ends - starts
         total = int(counts.sum())
-        if total == n and (n == 0 or int(counts.min()) == 1):
-            # a decode step: one position each, the row's last (its block is the last held one)
+        odd = np.flatnonzero(counts != 1) if total != n or (n and int(counts.min()) != 1) else None
+        if odd is None or odd.size <= SPLICE_ROWS:
+            # a decode step: one position each, the row's last (its block is the last held
+            # one); the few other rows (an arrival's prompt, a truncated row) spliced in
             tail = self.tail[:n] if rows is None else self.tail[rows]
             slots = tail * bs + starts % bs
+            if odd is not None:
+                pieces, prev = [], 0
+                for r in odd.tolist():
+                    pieces.append(slots[prev:r])
+                    row = r if rows is None else int(rows[r])
+                    positions = np.arange(int(starts[r]), int(ends[r]), dtype=np.int64)
+                    column = positions // bs - int(self.dropped[row])
+                    pieces.append(self.table[row, column].astype(np.int64) * bs + positions % bs)
+                    prev = r + 1
+                pieces.append(slots[prev:])
+                slots = np.concatenate(pieces)
         else:
             if rows is None:
                 rows = self._all_rows(n)

@@ -49,6 +49,7 @@ class DraftingSteps:
         block holding position `old` copied first when the step writes into it. All or
         nothing: on any error the sequence and every count are as they were."""
         bs, cache = self._bs, self._cache
+        self._batch.stale()  # (the token counts change below)
         have = seq.dropped + len(seq.blocks)
         needed = -(-total // bs)
         if self._window is not None and written and needed - old // bs > self._window:

@@ -313,8 +313,8 @@ class SequenceExports:
         the block table (with a sliding window, `num_tokens - first_block_position`; with
         lookahead, the drafts included). The export (and `device`, with a backend) is a
         DLPack producer like the others."""
-        seqs, _ = self._records(seq_ids)
-        lens = self._batch.seq_lens(seqs, self._bs)
+        seqs, rows = self._records(seq_ids)
+        lens = self._batch.seq_lens(seqs, rows, self._bs)
         return Exported(lens, self._exports.upload("seq_lens", [lens]))
 
     @guarded

@@ -7,7 +7,8 @@ match and allocates the rest; `append` allocates only when a block boundary is c
 and drops its references tail first. With `config.cache_blocks_per_seq = N` a sequence
 holds at most its N newest blocks (sliding window).
 
-Token ids: `add` takes the prompt's ids; `append` takes ids or only a count. The table
+Token ids: `add` takes the prompt's ids; `append` takes ids or only a count;
+`append_decode` (`decode_step`) gives many sequences one id each in one call. The table
 remembers a sequence's ids up to its first token given only as a count, and only blocks
 wholly inside that known run are ever offered to the prefix cache. A sequence whose window
 has dropped a block is never offered (its chain no longer starts at the prompt).
@@ -32,6 +33,7 @@ from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError
 from .batch import KeptBatch
 from .block_keys import block_keys, extra_key_ranges, with_ranges
+from .decode_step import DecodeSteps
 from .drafting import DraftingSteps
 from .exports import ExportBuffers, Exported, LengthExports, PageTable, SequenceExports, SequenceQueries
 from .hybrid_table import HybridSequenceTable
@@ -62,7 +64,7 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 class _Seq:
     __slots__ = (
         "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
-        "lookahead", "salt", "row",
+        "lookahead", "salt", "row", "mark",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -78,6 +80,7 @@ class _Seq:
         self.lookahead = 0  # the last `lookahead` of num_tokens are draft positions (slots, no committed id)
         self.salt = None  # the prefix cache's key context (cache salt, extra keys) of the prompt
         self.row = -1  # row in the table's persistent batch (KeptBatch)
+        self.mark = 0  # the latest append_decode call that counted this record
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks, `maybe_shared` or `lookahead` changed (-1, no
@@ -90,7 +93,7 @@ class _Seq:
         return other
 
 
-class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSteps):
+class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSteps, DecodeSteps):
     """Block tables of live sequences. With `gpu`, new blocks are initialised (zeroed, or
     poisoned under METRALE_KV_POISON) on `stream`, copy-on-write copies run there, and
     exports are uploaded; without one, the table is bookkeeping only and the engine performs
@@ -246,6 +249,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         (ValueError naming it, nothing changed). When those blocks are offered to the prefix
         cache their keys (and so, under "vllm-sha256-cbor", their hashes) carry them, after
         the keys given before. `truncate` cuts ranges past the new end."""
+        self._batch.gathered = None  # the exports' kept gather of token counts (KeptBatch.stale, inline)
         if extra_keys is not None:
             self._append_keyed(seq_id, n_tokens, token_ids, lookahead, extra_keys)
             return

@@ -83,8 +83,18 @@ def random_run(seed: int, window: int | None, with_gpu: bool, steps: int = 260) 
             elif op < 0.8:
                 table.fork(rng.choice(live), next_id)
                 next_id += 1
-            elif op < 0.95:
+            elif op < 0.9:
                 table.free(rng.choice(live))
+            elif op < 0.95:  # a step with drafts, a truncate within the blocks, a batched decode step
+                seq_id, kind = rng.choice(live), rng.randrange(3)
+                if kind == 0:
+                    table.append(seq_id, 1, [rng.randrange(50)], lookahead=rng.randrange(1, 3))
+                elif kind == 1:
+                    first, end = table.first_block_position(seq_id), table.num_tokens(seq_id)
+                    table.truncate(seq_id, rng.randrange(max(first, end - 2), end + 1))
+                else:
+                    batch = [i for i in rng.sample(live, rng.randrange(1, len(live) + 1)) if not table.num_lookahead(i)]
+                    table.append_decode(batch, [rng.randrange(50) for _ in batch])
             elif prefix is not None:
                 table.cache_prefix(rng.choice(live))
         except KvCacheExhausted:

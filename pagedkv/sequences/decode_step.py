@@ -1,0 +1,170 @@
+"""The batched decode append of `SequenceTable`: one call gives every decoding sequence of
+a step its one new token (`append_decode`), as an engine's scheduler allocates a step's
+slots in one pass, instead of one `append` call per sequence.
+
+The call is checked whole before anything changes (the ids, the token ids), then makes the
+same changes the per-call appends `append(seq_ids[i], 1, [token_ids[i]])` would make in
+order: a sequence with room in a private last block only counts its token; the others (a
+block boundary, a shared partly filled last block) are grown after the pass, their new
+blocks allocated one at a time in that order, so a table without a window holds the same
+blocks, the same exports and sends the same events as the per-call appends. With a window
+the oldest blocks are released once the step's new blocks are all allocated (the per-call
+appends release each before the next allocates, so the block ids may differ).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+from ..core.guard import guarded
+from ..core.validate import checked_token_ids
+from ..core.validate import token_ids as valid_token_ids
+
+
+class DecodeSteps:
+    """Mixed into `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_window`, `_gpu`,
+    `_stream`, `_guard`, `_init`, `_pending_copies`, `_deliver`, `_batch`)."""
+
+    _decode_mark = 0  # per table: the latest append_decode call's mark (catches a repeated id)
+
+    @guarded
+    def append_decode(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> None:
+        """One decode step: sequence `seq_ids[i]` gets the one token `token_ids[i]`, for
+        every i; the same blocks, exports (`slot_mapping` gives each its one new slot) and
+        prefix-cache events as `append(seq_ids[i], 1, [token_ids[i]])` called for each i in
+        order (a table with a window may get other block ids: the module docstring).
+
+        All or nothing. Refused before anything changes: ValueError when the two lengths
+        differ, an id repeats, or a sequence holds drafts of a lookahead (take them back
+        with `append` or `truncate`); KeyError for an unknown id; TypeError/ValueError
+        naming a bad token id (as `append`). KvCacheExhausted when the step's new blocks
+        run out, and a backend error while initialising or copying them, leave every
+        sequence as it was and the new blocks freed; cached blocks the prefix cache evicted
+        to make room stay evicted (every count stays consistent)."""
+        if type(seq_ids) is not list and type(seq_ids) is not tuple:
+            if seq_ids is None or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
+                raise TypeError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r:.60}")
+            seq_ids = list(seq_ids)
+        tokens = checked_token_ids(token_ids, "token_ids") if type(token_ids) is list else \
+            valid_token_ids(token_ids, "token_ids")
+        if len(tokens) != len(seq_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
+        mark = self._decode_mark = self._decode_mark + 1
+        self._batch.stale()  # (the exports' kept gather of token counts)
+        get = self._seqs.get
+        starts: list[int] = []  # the step starts, before this call, of the records counted in the pass
+        later: list[tuple[Any, int]] = []  # (record, token) to grow after the pass
+        for seq_id, token in zip(seq_ids, tokens):
+            seq = get(seq_id)
+            if seq is None or seq.mark == mark:
+                self._undo_counted(seq_ids, starts, later)
+                raise self._refused(seq_id, seq, mark)
+            seq.mark = mark
+            old = seq.num_tokens
+            if old < seq.room:  # room in a private last block (the one-token fast path)
+                starts.append(seq.step_start)
+                seq.num_tokens = old + 1
+                seq.step_start = old
+                if seq.tokens_known:
+                    seq.tokens.append(token)
+            elif seq.lookahead:  # (a record with drafts has no room: it always comes here)
+                self._undo_counted(seq_ids, starts, later)
+                raise self._refused(seq_id, seq, mark)
+            else:
+                later.append((seq, token))
+        if later:
+            try:
+                self._grow_step(later)
+            except BaseException:
+                self._undo_counted(seq_ids, starts, later)
+                raise
+
+    def _undo_counted(self, seq_ids: Sequence[Hashable], starts: list[int], later: list[tuple[Any, int]]) -> None:
+        """Take back the tokens the pass counted: the records of the first `len(starts) +
+        len(later)` ids other than those of `later` (each id appears once up to there)."""
+        grown = {id(seq) for seq, _ in later}
+        get = self._seqs.get
+        counted = [seq for seq in map(get, seq_ids[: len(starts) + len(later)]) if id(seq) not in grown]
+        for seq, start in zip(counted, starts):
+            seq.num_tokens -= 1
+            if seq.tokens_known:
+                seq.tokens.pop()
+            seq.step_start = start
+
+    @staticmethod
+    def _refused(seq_id: Hashable, seq: Any, mark: int) -> Exception:
+        if seq is None:
+            return KeyError(f"unknown sequence {seq_id!r}")
+        if seq.lookahead:  # (refused at its first occurrence: never a repeat)
+            return ValueError(
+                f"sequence {seq_id!r} holds {seq.lookahead} draft position(s): append_decode takes no drafts "
+                "(take them back with append or truncate)"
+            )
+        return ValueError(f"sequence {seq_id!r} appears twice in seq_ids")
+
+    def _grow_step(self, later: list[tuple[Any, int]]) -> None:
+        """Grow each record of `later` by its one token: a new block at a block boundary, a
+        copy of a shared partly filled last block; all or nothing."""
+        bs, allocator, window = self._bs, self._cache.allocator(), self._window
+        plan: list[tuple[Any, int, bool, bool]] = []  # (record, token, new block at the end, copy of the last)
+        dropping: dict[int, int] = {}  # shared last block -> references the planned copies drop
+        for seq, token in later:
+            boundary = seq.num_tokens == (seq.dropped + len(seq.blocks)) * bs
+            copy = False
+            if not boundary and seq.maybe_shared:
+                last = seq.blocks[-1]
+                copy = allocator.ref_count(last) - dropping.get(last, 0) > 1
+                if copy:
+                    dropping[last] = dropping.get(last, 0) + 1
+            plan.append((seq, token, boundary, copy))
+        fresh: list[int] = []
+        try:
+            for _seq, _token, boundary, copy in plan:
+                if boundary or copy:
+                    fresh.append(allocator.alloc_block())  # in the per-call appends' order
+            pairs, targets, at = [], [], 0
+            for seq, _token, boundary, copy in plan:
+                if copy:
+                    pairs.append((seq.blocks[-1], fresh[at]))
+                    at += 1
+                elif boundary:
+                    targets.append(fresh[at])
+                    at += 1
+            self._init(targets)
+            if pairs:
+                if self._gpu is not None:
+                    self._cache.copy_blocks(pairs, self._gpu, self._stream)
+                else:
+                    self._pending_copies.extend(pairs)
+        except BaseException:
+            for block in reversed(fresh):
+                allocator.dec_ref(block)
+            raise
+        batch, at, released = self._batch, 0, []
+        for seq, token, boundary, copy in plan:  # nothing below fails
+            blocks, old = seq.blocks, seq.num_tokens
+            if copy:
+                shared, blocks[-1] = blocks[-1], fresh[at]
+                allocator.dec_ref(shared)
+                at += 1
+            elif boundary:
+                blocks.append(fresh[at])
+                at += 1
+            seq.maybe_shared = False
+            if window is not None and len(blocks) > window:
+                extra = len(blocks) - window
+                released += blocks[:extra]
+                del blocks[:extra]
+                seq.dropped += extra
+                seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
+                batch.rewrite(seq)
+            elif boundary and not copy:
+                batch.block_appended(seq)
+            else:
+                batch.rewrite(seq)
+            seq.num_tokens, seq.step_start = old + 1, old
+            if seq.tokens_known:
+                seq.tokens.append(token)
+            seq.room = (seq.dropped + len(blocks)) * bs  # (`settle`: no drafts, no longer shared)
+        if released:
+            allocator.free_blocks(released)
