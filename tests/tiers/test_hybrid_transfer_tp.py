@@ -55,10 +55,10 @@ def config(rank, size, layout, window=8, state=STATE):
 class Rank:
     """One engine rank: a hybrid HostBackend cache and its HybridKvTransfer."""
 
-    def __init__(self, name, rank, size, layout, clock, **extra):
+    def __init__(self, name, rank, size, layout, clock, require_grants=False, **extra):
         self.gpu = HostBackend(1 << 24)
         self.cache = PagedKvCache(config(rank, size, layout, **extra), [8, 8, None], self.gpu, num_state_slots=6)
-        self.transfer = HybridKvTransfer(self.cache, self.gpu, name, clock=clock)
+        self.transfer = HybridKvTransfer(self.cache, self.gpu, name, clock=clock, require_grants=require_grants)
         self.name = name
 
     def heads(self) -> slice:
@@ -331,3 +331,35 @@ def test_grants_per_group_refused_outside_and_checked_on_arrival(world):
     assert d2a.transfer.notifications() == []
     p1.free(src)
     d2a.free(dst)
+
+
+def test_a_receiver_requiring_grants_is_refused_a_send_without_one(world):
+    ranks, send_clock, _ = world
+    p1 = ranks["p1"]
+    strict = Rank("strict", 0, 1, "HND", send_clock, require_grants=True)
+    try:
+        p1.transfer.connect(strict.transfer.metadata())
+        strict.transfer.connect(p1.transfer.metadata())
+        src, dst = p1.held((1, 0, 1)), strict.held((1, 0, 1))
+        src, dst = {0: src[0], 2: src[2]}, {0: dst[0], 2: dst[2]}
+        with pytest.raises(ValueError, match=r"^group 0: peer 'strict#g0' requires a grant for every send"):
+            p1.transfer.send("strict", src, dst)
+        p1.transfer.send("strict", src, dst, b"ok", grant=strict.transfer.grant("p1", dst)).wait(WAIT)
+        assert strict.transfer.wait_notifications(WAIT) == [("p1", b"ok")]
+        p1.free(src)
+        strict.free(dst)
+        p1.transfer.disconnect("strict")
+    finally:
+        strict.close()
+
+
+def test_the_readme_hybrid_tp_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Hybrid caches between engines"):readme.index("## Storage formats and codecs")]
+    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["sender"].group(0).closed() and namespace["gpu_p"].live_allocations() == 0
