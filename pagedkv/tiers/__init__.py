@@ -4,7 +4,9 @@ batched swaps, and `HybridHostTier` (`hybrid_host_tier`) a HostTier per group of
 cache; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): slots
 in a directory below a host tier, kept across restarts; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
-imported lazily), `HybridKvTransfer` (`hybrid_transfer`) one per group of a hybrid cache.
+imported lazily), `HybridKvTransfer` (`hybrid_transfer`, with `hybrid_grouping`,
+`hybrid_wire`, `hybrid_pull`, `hybrid_grants`) one per group of a hybrid cache, across TP
+sizes, pushed or pulled, under grants.
 
 May import: `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
 `pagedkv.errors`.

@@ -267,6 +267,12 @@ def test_export_and_pull_refusals_hold_nothing(world):
     ranks, _, _ = world
     p1, d2a, q4b = ranks["p1"], ranks["d2a"], ranks["q4b"]
     src = p1.held()
+    with pytest.raises(TypeError, match=r"blocks must be a mapping \{group: \[block or slot ids\]\}, got list"):
+        p1.transfer.export(src[0], ttl=10)
+    with pytest.raises(IndexError, match="group"):
+        p1.transfer.export({7: src[0]}, ttl=10)
+    with pytest.raises(ValueError, match=r"^group 0: ttl must be a number of seconds > 0"):
+        p1.transfer.export(src, ttl=0)
     with pytest.raises(ValueError, match=r"^group 2: block 5 is free"):
         p1.transfer.export({0: src[0], 2: [5]}, ttl=10)
     assert p1.transfer.open_leases() == {0: {}, 1: {}, 2: {}}  # group 0's lease was undone
