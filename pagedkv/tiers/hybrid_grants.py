@@ -38,9 +38,10 @@ class HybridGrantMode:
         here and writable: not free, not prefix-cached) in one `send`; returns the ticket for
         its `send(..., grant=ticket)`. A group's refusal (naming the group and the block)
         revokes the groups granted before it: nothing stays held."""
-        if type(peer) is not str or not peer or "#" in peer:
-            raise TypeError(f"peer must be the sender's hybrid transfer name (a non-empty str without '#'), "
-                            f"got {peer!r:.60}")
+        if type(peer) is not str:
+            raise TypeError(f"peer must be the sender's hybrid transfer name (a str), got {peer!r:.60}")
+        if not peer or "#" in peer:
+            raise ValueError(f"peer must be the sender's hybrid transfer name (non-empty, without '#'), got {peer!r:.60}")
         groups = self._groups_of(blocks, "blocks")
         tickets: dict[int, bytes] = {}
         try:

@@ -306,6 +306,10 @@ def test_grants_per_group_refused_outside_and_checked_on_arrival(world):
     src = p1.held()
     fill(p1, src, rows)
     dst = d2a.held()
+    with pytest.raises(ValueError, match="without '#', got 'p1#g0'"):
+        d2a.transfer.grant("p1#g0", dst)
+    with pytest.raises(TypeError, match="blocks must be a mapping"):
+        d2a.transfer.grant("p1", dst[0])
     ticket = d2a.transfer.grant("p1", dst)
     assert [d2a.cache.group(g).ref_count(dst[g][0]) for g in range(3)] == [2, 2, 2]
     outside = {**dst, 2: [5]}
