@@ -306,7 +306,7 @@ def test_grants_per_group_refused_outside_and_checked_on_arrival(world):
     src = p1.held()
     fill(p1, src, rows)
     dst = d2a.held()
-    with pytest.raises(ValueError, match="without '#', got 'p1#g0'"):
+    with pytest.raises(ValueError, match=r"without '#'\), got 'p1#g0'"):
         d2a.transfer.grant("p1#g0", dst)
     with pytest.raises(TypeError, match="blocks must be a mapping"):
         d2a.transfer.grant("p1", dst[0])
