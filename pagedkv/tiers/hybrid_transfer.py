@@ -322,7 +322,11 @@ class HybridKvTransfer(HybridPullMode, HybridGrantMode):
                 got = part.notifications()
             except GrantViolation as err:
                 violations.append(f"group {g}: {err}")
-                got = part.notifications()  # its other messages, queued by the violating call
+                try:
+                    got = part.notifications()  # its other messages, queued by the violating call
+                except GrantViolation as again:  # more arrived meanwhile: the rest stay queued there
+                    violations.append(f"group {g}: {again}")
+                    got = []
             for agent, message in got:
                 parsed = parse_frame(message, len(self._parts))
                 if parsed is None or not agent.endswith(f"#g{g}"):
