@@ -14,6 +14,10 @@ Then the layouts and TP splits, on the same blocks (the scattered pairs):
   same-layout transfer, checked as a ceiling);
 - 1->2 split NHD: the same from NHD caches (one descriptor per token per block per pool:
   a head range is not contiguous in an NHD block), for comparison.
+- hybrid 1->2 split HND: a HybridKvTransfer of a hybrid cache of the same layers (even
+  layers full, odd layers sliding) plus one Mamba-like state layer, each group's scattered
+  pairs and one state slot per rank (replicated, sent whole): its descriptors beside the
+  plain 1->2 HND split's (the groups add only the state rows, checked as a ceiling).
 
 On HostBackend (DRAM) by default, 8 layers: a smoke figure of UCX over loopback. With
 `--gpu`, CudaBackend (VRAM to VRAM on device 0), 32 layers. Needs NIXL
@@ -100,7 +104,8 @@ def run(args) -> None:
         if args.gpu:
             print("  HND and TP splits: skipped (CudaBackend refuses layout='HND': its KV kernels are NHD only)")
         else:
-            _layouts_and_splits(gpu, layers, blocks, repeats, copy_gbs, scattered_descs)
+            split_descs = _layouts_and_splits(gpu, layers, blocks, repeats, copy_gbs, scattered_descs)
+            _hybrid_split(gpu, layers, blocks, repeats, copy_gbs, scattered_descs, split_descs)
     finally:
         a.release(gpu)
         b.release(gpu)
@@ -108,8 +113,10 @@ def run(args) -> None:
             gpu.close()
 
 
-def _layouts_and_splits(gpu, layers: int, blocks: int, repeats: int, copy_gbs: float, same_descs: int) -> None:
-    """The HND same-layout transfer and the 1->2 head splits (HND, NHD) of the scattered pairs."""
+def _layouts_and_splits(gpu, layers: int, blocks: int, repeats: int, copy_gbs: float, same_descs: int) -> int:
+    """The HND same-layout transfer and the 1->2 head splits (HND, NHD) of the scattered
+    pairs; returns the 1->2 HND split's descriptor count."""
+    split_descs = 0
     from pagedkv.tiers.transfer import KvTransfer
 
     def cache(layout: str, heads: int = 8, rank: int = 0, size: int = 1) -> PagedKvCache:
@@ -151,11 +158,71 @@ def _layouts_and_splits(gpu, layers: int, blocks: int, repeats: int, copy_gbs: f
                           f"  = {gbs / copy_gbs:.2f}x the backend copy")
                     if layout == "HND" and label == "1->2 split":
                         ceiling("1->2 HND split descriptors vs same-layout", sum(descs) / same_descs, 2.0)
+                        split_descs = sum(descs)
                 for a in agents[1:]:
                     a.notifications()
             finally:
                 for a in agents:
                     a.close()
     finally:
+        for c in caches:
+            c.release(gpu)
+    return split_descs
+
+
+STATE = (((8, 64, 16), "float32"),)
+"""The hybrid bench's state layer: one 32 KiB float32 tensor a slot (a Mamba-2-like SSM state)."""
+
+
+def _hybrid_split(gpu, layers: int, blocks: int, repeats: int, copy_gbs: float, same_descs: int,
+                  split_descs: int) -> None:
+    """A HybridKvTransfer 1->2 HND split of the scattered pairs in every attention group and one state slot."""
+    from pagedkv.core.layer_groups import LayerGroup
+    from pagedkv.tiers.hybrid_transfer import HybridKvTransfer
+
+    groups = (LayerGroup("full", tuple(range(0, layers, 2))),
+              LayerGroup("sliding", tuple(range(1, layers, 2)), window=16 * blocks),
+              LayerGroup("state", (layers,), state=STATE))
+
+    def cache(heads: int, rank: int, size: int) -> PagedKvCache:
+        config = KvCacheConfig(block_size=16, num_kv_heads=heads, head_dim=128, num_layers=layers + 1, dtype="bf16",
+                               layout="HND", tp_rank=rank, tp_size=size, layer_groups=groups)
+        made = PagedKvCache(config, blocks, gpu, num_state_slots=2)
+        for g in range(3):
+            made.group(g).alloc_blocks(blocks if g < 2 else 1)
+        return made
+
+    caches = [cache(8, 0, 1)] + [cache(4, r, 2) for r in range(2)]
+    agents = []
+    try:
+        agents = [HybridKvTransfer(c, gpu, f"bench-hybrid-{i}") for i, c in enumerate(caches)]
+        names = [agents[0].connect(a.metadata()) for a in agents[1:]]
+        for a in agents[1:]:
+            a.connect(agents[0].metadata())
+        half, dst = list(range(0, blocks, 2)), list(range(blocks - 1, -1, -1))[: blocks // 2]
+        src_ids, dst_ids = {0: half, 1: half, 2: [0]}, {0: dst, 1: dst, 2: [0]}
+        descs: list[int] = []
+
+        def send() -> None:
+            handles = [agents[0].send(p, src_ids, dst_ids) for p in names]
+            for h in handles:
+                h.wait(60)
+            descs[:] = [sum(x.descriptors for x in h.handles.values()) for h in handles]
+
+        send()
+        seconds = best_of(send, repeats)
+        nbytes = blocks // 2 * sum(caches[0].group(g).config().block_bytes_kv_all_layers() for g in (0, 1))
+        nbytes += 2 * caches[0].layout().slot_bytes(2)
+        gbs = nbytes / seconds / 1e9
+        print(f"  hybrid 1->2 split {gbs:8.2f} GB/s  ({sum(descs)} descriptors = {sum(descs) / same_descs:.2f}x the "
+              f"same-layout transfer, {sum(descs) / split_descs:.3f}x the plain 1->2 HND split; "
+              f"{seconds * 1e3:.2f} ms)  = {gbs / copy_gbs:.2f}x the backend copy")
+        ceiling("hybrid 1->2 HND split descriptors vs the plain split", sum(descs) / split_descs,
+                1 + 2 / split_descs)
+        for a in agents[1:]:
+            a.notifications()
+    finally:
+        for a in agents:
+            a.close()
         for c in caches:
             c.release(gpu)

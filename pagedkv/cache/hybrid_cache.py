@@ -48,14 +48,19 @@ PagedKvCache's are)."""
 
 class StateGroup(GuardedCalls, PoolHolders):
     """One state group of a hybrid cache: `StatePools` and a `BlockAllocator` over its slots
-    (the seed's bookkeeping names: `alloc_block` hands out a slot, `ref_count(slot)`, ...)."""
+    (the seed's bookkeeping names: `alloc_block` hands out a slot, `ref_count(slot)`, ...).
+    `tp` is the cache's (tp_rank, tp_size): state tensors are not split by head, so every
+    rank of a TP group holds whole slots (a transfer replicates them, sent by one rank)."""
 
     _GUARD_BOUND = _GUARDED_BOUND
     _GUARD_METHODS = _GUARDED_METHODS
 
-    def __init__(self, index: int, layers: tuple, pools: StatePools, allocator: BlockAllocator):
+    def __init__(self, index: int, layers: tuple, pools: StatePools, allocator: BlockAllocator,
+                 tp: tuple[int, int] = (0, 1)):
         self.index = index
         self.layers = layers
+        self.tp = (int(tp[0]), int(tp[1]))
+        """(tp_rank, tp_size) of the cache this group belongs to."""
         self._pools = pools
         self._allocator = allocator
         self._holders: dict[int, str] = {}  # id(holder) -> label, as PagedKvCache keeps them
@@ -180,7 +185,7 @@ class HybridKvCache(GuardedCalls):
                 else:
                     pools = StatePools(group, slots[g], gpu)
                     alloc = BlockAllocator(slots[g], trace=flags().kv_trace)
-                    self._groups.append(StateGroup(g, group.layers, pools, alloc))
+                    self._groups.append(StateGroup(g, group.layers, pools, alloc, (config.tp_rank, config.tp_size)))
         except BaseException:
             self._release_groups(gpu, raise_first=False)
             raise

@@ -5,7 +5,9 @@ cache; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): sl
 in a directory below a host tier, kept across restarts, and `HybridDiskTier`
 (`hybrid_disk_tier`) a DiskTier per group of a hybrid cache; `KvTransfer`
 (`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
-imported lazily), `HybridKvTransfer` (`hybrid_transfer`) one per group of a hybrid cache.
+imported lazily), `HybridKvTransfer` (`hybrid_transfer`, with `hybrid_grouping`,
+`hybrid_wire`, `hybrid_pull`, `hybrid_grants`) one per group of a hybrid cache, across TP
+sizes, pushed or pulled, under grants.
 
 May import: `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`, `pagedkv.backends`, `pagedkv.core`,
 `pagedkv.errors`.

@@ -85,14 +85,10 @@ class PullMode:
             return
         self._release_lease(lease_id, f"pulled by {peer}")
 
-    def pull(self, peer: str, ticket: bytes, dst_blocks: Any, notify: bytes = b"") -> pull_leases.PullHandle:
-        """Read the blocks of the peer's export `ticket` into this cache's `dst_blocks` (the
-        i-th into the i-th, each allocated here) with NIXL reads, split or gathered by head
-        as `send` is; once the read is complete and the lease checked still open, the peer
-        is told (it frees the blocks) and `notify`, if any, reaches its `notifications()`.
-        Returns the handle to wait on. Checked before anything is read: UnknownPeer, a
-        ticket of another sender, LeaseExpired for a deadline already past, the block lists
-        as in `send`."""
+    def checked_pull(self, peer: str, ticket: bytes, dst_blocks: Any, notify: bytes = b"") -> tuple:
+        """(peer, ticket body, src, dst, notify) of a `pull` after every one of its checks,
+        nothing read: for a caller that must refuse a pull of several agents before any of
+        them posts."""
         self._check_open()
         info = self._peer(peer)
         body = pull_leases.parse_ticket(ticket)
@@ -112,6 +108,18 @@ class PullMode:
             raise ValueError(f"destination block {held} is free (allocate the blocks to read into)")
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        self._check_moves(info, info.pull_plans)
+        return info, body, src, dst, bytes(notify)
+
+    def pull(self, peer: str, ticket: bytes, dst_blocks: Any, notify: bytes = b"") -> pull_leases.PullHandle:
+        """Read the blocks of the peer's export `ticket` into this cache's `dst_blocks` (the
+        i-th into the i-th, each allocated here) with NIXL reads, split or gathered by head
+        as `send` is; once the read is complete and the lease checked still open, the peer
+        is told (it frees the blocks) and `notify`, if any, reaches its `notifications()`.
+        Returns the handle to wait on. Checked before anything is read (`checked_pull`):
+        UnknownPeer, a ticket of another sender, LeaseExpired for a deadline already past,
+        the block lists as in `send`, a pair of ranks with nothing to move."""
+        info, body, src, dst, notify = self.checked_pull(peer, ticket, dst_blocks, notify)
         local, remote = self._descriptors(info, info.pull_plans, dst, src)
         request = self._post_read((local, remote), info.name, self._mem_type, info.mem_type)
         scratch = self._leases.take_scratch()
@@ -120,7 +128,7 @@ class PullMode:
         _log.debug("kv_pull_posted", name=self.name, peer=info.name, lease=body["lease"], blocks=len(src),
                    descriptors=len(local))
         return pull_leases.PullHandle(self, info.name, body, request, word, scratch, int(local[:, 1].sum()),
-                                      len(local), bytes(notify))
+                                      len(local), notify)
 
     def _post_read(self, descs: tuple, peer: str, local_mem: str, remote_mem: str | None = None) -> Any:
         """One NIXL READ of `descs` (local, remote rows) from `peer`, posted; TransferError if refused."""

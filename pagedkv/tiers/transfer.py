@@ -487,17 +487,20 @@ class KvTransfer(PullMode, GrantMode):
         """The peer with its send and pull plans (pagedkv.tiers.head_plan)."""
         layout = info["layout"]
         rank, size = int(layout.get("tp_rank", 0)), int(layout.get("tp_size", 1))
-        if self._state:  # slots move whole, one run per stretch of consecutive slot pairs
-            plans = [(here.address, there.address, _Slots(here.stride), _Slots(there.stride),
-                      np.array([[0, 0, here.stride]], np.int64)) for here, there in zip(self._pools, pools)]
-            back = [(there.address, here.address, _Slots(there.stride), _Slots(here.stride),
-                     np.array([[0, 0, here.stride]], np.int64)) for here, there in zip(self._pools, pools)]
-            return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
-                         0, 1, tuple(plans), tuple(back), info)
-        mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
         my_rank, my_size = self._layout["tp_rank"], self._layout["tp_size"]
         sends_replicas = my_rank == head_plan.replica_sender(rank, my_size, size)
         pulls_replicas = rank == head_plan.replica_sender(my_rank, size, my_size)
+        if self._state:  # slots move whole (replicated across TP: one sending rank per receiver)
+            def whole(on: bool, stride: int) -> np.ndarray:
+                return np.array([[0, 0, stride]], np.int64) if on else np.zeros((0, 3), np.int64)
+
+            plans = [(here.address, there.address, _Slots(here.stride), _Slots(there.stride),
+                      whole(sends_replicas, here.stride)) for here, there in zip(self._pools, pools)]
+            back = [(there.address, here.address, _Slots(there.stride), _Slots(here.stride),
+                     whole(pulls_replicas, here.stride)) for here, there in zip(self._pools, pools)]
+            return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
+                         rank, size, tuple(plans), tuple(back), info)
+        mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
         send, pull = [], []
         for here, there, m, t in zip(self._pools, pools, mine, theirs):
             out = head_plan.block_template(m, t) if (sends_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
@@ -567,6 +570,7 @@ class KvTransfer(PullMode, GrantMode):
             notify = notify_prefix(body["grant"]) + bytes(notify)
         elif info.info.get("grants") is True:
             raise ValueError(f"peer {info.name!r} requires a grant for every send: pass grant=<its grant ticket>")
+        self._check_moves(info, info.send_plans)
         return info, src, dst, notify
 
     def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"", grant: bytes | None = None) -> TransferHandle:
@@ -613,7 +617,7 @@ class KvTransfer(PullMode, GrantMode):
                      remote_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) Nx3 uint64 arrays of (address, bytes, device): per pool pair and
         block pair, the byte runs of the heads both sides hold (`head_plan`), consecutive
-        whole blocks merged. ValueError naming both head ranges when they share none."""
+        whole blocks merged. ValueError when nothing moves (`_check_moves`)."""
         if plans is peer.send_plans:
             src_rows, dst_rows = head_plan.descriptors(list(plans), local_blocks, remote_blocks)
             local_rows, remote_rows = src_rows, dst_rows
@@ -621,18 +625,35 @@ class KvTransfer(PullMode, GrantMode):
             src_rows, dst_rows = head_plan.descriptors(list(plans), remote_blocks, local_blocks)
             local_rows, remote_rows = dst_rows, src_rows
         if local_rows.shape[0] == 0:
-            mine, theirs = self._layout["layers"][0], peer.info["layout"]["layers"][0]
-            raise ValueError(
-                f"peer {peer.name!r} (TP rank {peer.tp_rank} of {peer.tp_size}, layer 0 heads "
-                f"[{theirs['head_start']}, {theirs['head_start'] + theirs['num_kv_heads']})) shares no head with this "
-                f"cache (TP rank {self._layout['tp_rank']} of {self._layout['tp_size']}, layer 0 heads "
-                f"[{mine['head_start']}, {mine['head_start'] + mine['num_kv_heads']})): nothing to move"
-            )
+            self._check_moves(peer, plans)
         local = np.empty((local_rows.shape[0], 3), dtype=np.uint64)
         remote = np.empty_like(local)
         local[:, :2], remote[:, :2] = local_rows, remote_rows
         local[:, 2], remote[:, 2] = self._device_id, peer.device_id
         return local, remote
+
+    def _check_moves(self, peer: _Peer, plans: tuple) -> None:
+        """ValueError when `plans` (a peer's send or pull plans) move nothing: the two
+        caches share no head (naming both ranks' layer 0 head ranges), or, for a state group,
+        this pair of ranks is not the one whose replicated slots move (naming the rank that
+        sends them)."""
+        if any(plan[4].shape[0] for plan in plans):
+            return
+        sending = plans is peer.send_plans
+        mine, theirs = (self._layout["tp_rank"], self._layout["tp_size"]), (peer.tp_rank, peer.tp_size)
+        if self._state:
+            to, frm = (theirs, mine) if sending else (mine, theirs)
+            raise ValueError(
+                f"state slots are replicated across TP ranks and TP rank {to[0]} of {to[1]} takes them from TP rank "
+                f"{head_plan.replica_sender(to[0], frm[1], to[1])} of {frm[1]}, not rank {frm[0]} "
+                f"({'this cache' if sending else f'peer {peer.name!r}'}): nothing to move")
+        here, there = self._layout["layers"][0], peer.info["layout"]["layers"][0]
+        raise ValueError(
+            f"peer {peer.name!r} (TP rank {peer.tp_rank} of {peer.tp_size}, layer 0 heads "
+            f"[{there['head_start']}, {there['head_start'] + there['num_kv_heads']})) shares no head with this "
+            f"cache (TP rank {mine[0]} of {mine[1]}, layer 0 heads "
+            f"[{here['head_start']}, {here['head_start'] + here['num_kv_heads']})): nothing to move"
+        )
 
     def _poll(self, request: Any) -> str:
         self._check_open()

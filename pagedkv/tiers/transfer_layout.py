@@ -65,14 +65,16 @@ def layout_of(cache: Any) -> dict:
 def state_layout_of(group: Any) -> dict:
     """The layout description of a hybrid cache's state group (a `StateGroup`): the
     versions, `kind: "state"` and per slot row (layer, then state tensor) its layer, tensor,
-    dtype, shape, bytes and slot stride. Slots move whole, so peers must agree on all of it
-    (the slot count aside)."""
+    dtype, shape, bytes and slot stride, and the cache's TP placement (`tp_rank`,
+    `tp_size`). Slots move whole, so peers must agree on all of it (the slot count and the
+    placement aside: between TP sizes a slot is replicated, sent by one rank)."""
     pools = group.pools()
     rows = [{"layer": layer, "tensor": t, "dtype": str(np.dtype(dtype)), "shape": [int(n) for n in shape],
              "nbytes": pools.tensor_bytes(t), "stride": pools.stride(t)}
             for layer in group.layers for t, (shape, dtype) in enumerate(pools.group().state)]
+    rank, size = getattr(group, "tp", (0, 1))
     return {"layout_version": LAYOUT_VERSION, "formats_version": FORMATS_VERSION, "kind": "state", "rows": rows,
-            "tp_rank": 0, "tp_size": 1}
+            "tp_rank": rank, "tp_size": size}
 
 
 def is_state_layout(layout: dict) -> bool:
@@ -88,10 +90,15 @@ def _state_differences(mine: dict, theirs: dict) -> list[str]:
     a, b = mine.get("rows", []), theirs.get("rows", [])
     if len(a) != len(b):
         out.append(f"state rows: here {len(a)}, peer {len(b)}")
+    tp_note = ""
+    if mine.get("tp_size", 1) != theirs.get("tp_size", 1):
+        tp_note = (f" (TP size here {mine.get('tp_size', 1)}, peer {theirs.get('tp_size', 1)}: pagedkv does not split "
+                   f"a state tensor by head, so every rank must hold the whole state)")
     for i, (x, y) in enumerate(zip(a, b)):
         for key in ("layer", "tensor", "dtype", "shape", "nbytes", "stride"):
             if x.get(key) != y.get(key):
-                out.append(f"state row {i} {key}: here {x.get(key)!r}, peer {y.get(key)!r}")
+                note = tp_note if key in ("shape", "nbytes", "stride") else ""
+                out.append(f"state row {i} {key}: here {x.get(key)!r}, peer {y.get(key)!r}{note}")
     return out
 
 
@@ -103,6 +110,9 @@ def _state_lies(layout: dict) -> list[str]:
             if row["nbytes"] != want or row["stride"] < want or row["stride"] % 16:
                 out.append(f"state row {i} of {row['dtype']}{row['shape']} says {row['nbytes']} bytes in slots of "
                            f"{row['stride']}, but takes {want} (16-byte aligned slots)")
+        rank, size = layout.get("tp_rank", 0), layout.get("tp_size", 1)
+        if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
+            out.append(f"state group at TP rank {rank!r} of {size!r}")
     except (KeyError, TypeError, ValueError) as err:
         out.append(f"broken state row description: {type(err).__name__}: {err}")
     return out

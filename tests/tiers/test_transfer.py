@@ -446,9 +446,13 @@ def test_the_transfer_bench_runs_at_smoke_size(monkeypatch, capsys):
     assert "(16 descriptors," in lines[1] and "(256 descriptors," in lines[2]
     # the layouts and splits: the same pairs, HND like NHD, a 1->2 HND split 2x, NHD per token
     assert [line.split()[:2] for line in lines[4:]] == [["HND", "scattered"], ["HND", "1->2"],
-                                                        ["ceiling", "1->2"], ["NHD", "1->2"]]
+                                                        ["ceiling", "1->2"], ["NHD", "1->2"],
+                                                        ["hybrid", "1->2"], ["ceiling", "hybrid"]]
     assert "(256 descriptors = 1.00x" in lines[4] and "(512 descriptors = 2.00x" in lines[5]
     assert lines[6].endswith("2.00x, needs <= 2x  ok") and "(8192 descriptors = 32.00x" in lines[7]
+    # the hybrid split: the plain split's 512 descriptors and one state row per receiving rank
+    assert "(514 descriptors = 2.01x the same-layout transfer, 1.004x the plain 1->2 HND split;" in lines[8]
+    assert lines[9].endswith("needs <= 1.00391x  ok")
 
 
 @needs_nixl
