@@ -110,33 +110,23 @@ def _steps(lib, system, schedule, total: int, spent: list[list[float]], kept: bo
     for _ in range(total):
         yield
         t0 = clock()
-        if batched is not None:  # ours: frees and arrivals, then the step's appends in one call
-            for s in range(NUM_SEQS):
-                decode = schedule[s][life[s]][1]
-                p = pos[s]
-                if p == len(decode):
-                    free(ids[s])
-                    life[s] += 1
-                    ids[s] = (s, life[s])
-                    pos[s] = p = 0
-                    prompt, decode = schedule[s][life[s]]
-                    add(ids[s], prompt)
-                step_tokens[s] = decode[p]
-                pos[s] = p + 1
-            batched(ids, step_tokens)
-        else:  # the reference: its best calls, one append per sequence
-            for s in range(NUM_SEQS):
-                decode = schedule[s][life[s]][1]
-                p = pos[s]
-                if p == len(decode):
-                    free(ids[s])
-                    life[s] += 1
-                    ids[s] = (s, life[s])
-                    pos[s] = p = 0
-                    prompt, decode = schedule[s][life[s]]
-                    add(ids[s], prompt)
+        for s in range(NUM_SEQS):  # frees and arrivals, then this sequence's token
+            decode = schedule[s][life[s]][1]
+            p = pos[s]
+            if p == len(decode):
+                free(ids[s])
+                life[s] += 1
+                ids[s] = (s, life[s])
+                pos[s] = p = 0
+                prompt, decode = schedule[s][life[s]]
+                add(ids[s], prompt)
+            if batched is None:  # the reference: its best calls, one append per sequence
                 append(ids[s], 1, [decode[p]])
-                pos[s] = p + 1
+            else:  # ours: the step's appends in one call below
+                step_tokens[s] = decode[p]
+            pos[s] = p + 1
+        if batched is not None:
+            batched(ids, step_tokens)
         t1 = clock()
         if kept:
             table.block_table()

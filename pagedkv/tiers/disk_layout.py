@@ -111,19 +111,24 @@ def differences(mine: dict, theirs: dict) -> list[str]:
 def read_layout(directory: str) -> dict | None:
     """The layout description stored in `directory`, or None when it has none yet.
     KvCacheError for a file that is not one."""
-    path = os.path.join(directory, LAYOUT_FILE)
+    return read_description(os.path.join(directory, LAYOUT_FILE), "a disk tier layout", "rows")
+
+
+def read_description(path: str, what: str, key: str) -> dict | None:
+    """The JSON object stored at `path`, or None when there is no such file. KvCacheError
+    naming `path` as not `what` when it is not JSON or not an object holding `key`."""
     try:
         with open(path, "rb") as f:
             text = f.read()
     except FileNotFoundError:
         return None
     try:
-        layout = json.loads(text)
+        found = json.loads(text)
     except ValueError as err:
-        raise KvCacheError(f"{path} is not a disk tier layout ({err})") from None
-    if not isinstance(layout, dict) or "rows" not in layout:
-        raise KvCacheError(f"{path} is not a disk tier layout (no rows)")
-    return layout
+        raise KvCacheError(f"{path} is not {what} ({err})") from None
+    if not isinstance(found, dict) or key not in found:
+        raise KvCacheError(f"{path} is not {what} (no {key})")
+    return found
 
 
 def write_layout(directory: str, layout: dict, capacity_slots: int) -> None:

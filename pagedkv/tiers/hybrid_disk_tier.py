@@ -29,7 +29,7 @@ from ..core.validate import positive_int
 from ..errors import KvCacheError
 from . import disk_layout
 from .disk_index import IndexRecord
-from .disk_layout import DiskLayoutMismatch
+from .disk_layout import DiskLayoutMismatch, read_description
 from .disk_tier import DiskTier, DiskTierStats
 
 _log = get_logger("disk_tier")
@@ -172,18 +172,7 @@ class HybridDiskTier:
 
     @staticmethod
     def _read_groups(path: str) -> dict | None:
-        try:
-            with open(path, "rb") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            found = json.loads(text)
-        except ValueError as err:
-            raise KvCacheError(f"{path} is not a hybrid disk tier's grouping ({err})") from None
-        if not isinstance(found, dict) or "groups" not in found:
-            raise KvCacheError(f"{path} is not a hybrid disk tier's grouping (no groups)")
-        return found
+        return read_description(path, "a hybrid disk tier's grouping", "groups")
 
     def _write_groups(self, path: str, description: dict) -> None:
         tmp = path + ".tmp"
