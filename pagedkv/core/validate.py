@@ -114,11 +114,12 @@ def int64_bytes_of_ids(values: list) -> bytes | None:
         wide = array.array("Q", values)  # refuses a negative id; much faster to build than "q"
     except OverflowError:
         return None
-    if int(np.frombuffer(wide, dtype=np.uint64).max()) > MAX_TOKEN_ID:
-        return None
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
         wide.byteswap()
-    return wide.tobytes()
+    data = wide.tobytes()
+    if not data[7::8].isascii():  # an id's top byte >= 0x80: past 2**63 - 1
+        return None
+    return data
 
 
 def _token_sequence(values: object, what: str) -> list:

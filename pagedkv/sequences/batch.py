@@ -182,6 +182,27 @@ class KeptBatch:
         if row >= self.hi:
             self.hi = row + 1
 
+    def blocks_appended(self, seqs: list[Any]) -> None:
+        """`block_appended` of each of `seqs` (distinct records, each grown by one block at
+        its end), in one call."""
+        self.gathered = None
+        width = max(len(seq.blocks) for seq in seqs)
+        if width > self.table.shape[1]:
+            self._reserve(len(self.seqs), width)
+        table, tail, lens = self.table, self.tail, self.lens
+        lo, hi = self.lo, self.hi
+        for seq in seqs:
+            row, blocks = seq.row, seq.blocks
+            k = len(blocks)
+            table[row, k - 1] = tail[row] = blocks[-1]
+            lens[row] = k
+            if row < lo:
+                lo = row
+            if row >= hi:
+                hi = row + 1
+        self.lo, self.hi = lo, hi
+        self.pt_grown += len(seqs)
+
     def rewrite(self, seq: Any) -> None:
         """Write `seq`'s row again from its record (after any change of its blocks or `dropped`)."""
         self.gathered = None

@@ -106,31 +106,28 @@ class DecodeSteps:
         """Grow each record of `later` by its one token: a new block at a block boundary, a
         copy of a shared partly filled last block; all or nothing."""
         bs, allocator, window = self._bs, self._cache.allocator(), self._window
-        plan: list[tuple[Any, int, bool, bool]] = []  # (record, token, new block at the end, copy of the last)
+        alloc, ref_count = allocator.alloc_block, allocator.ref_count
+        plan: list[tuple[Any, int, int, bool]] = []  # (record, token, its new block or -1, a copy of the last)
         dropping: dict[int, int] = {}  # shared last block -> references the planned copies drop
-        for seq, token in later:
-            boundary = seq.num_tokens == (seq.dropped + len(seq.blocks)) * bs
-            copy = False
-            if not boundary and seq.maybe_shared:
-                last = seq.blocks[-1]
-                copy = allocator.ref_count(last) - dropping.get(last, 0) > 1
-                if copy:
-                    dropping[last] = dropping.get(last, 0) + 1
-            plan.append((seq, token, boundary, copy))
         fresh: list[int] = []
         try:
-            for _seq, _token, boundary, copy in plan:
-                if boundary or copy:
-                    fresh.append(allocator.alloc_block())  # in the per-call appends' order
-            pairs, targets, at = [], [], 0
-            for seq, _token, boundary, copy in plan:
-                if copy:
-                    pairs.append((seq.blocks[-1], fresh[at]))
-                    at += 1
-                elif boundary:
-                    targets.append(fresh[at])
-                    at += 1
-            self._init(targets)
+            for seq, token in later:  # each decided and allocated in the per-call appends' order
+                if seq.num_tokens == (seq.dropped + len(seq.blocks)) * bs:  # a block boundary
+                    block = alloc()
+                    fresh.append(block)
+                    plan.append((seq, token, block, False))
+                    continue
+                if seq.maybe_shared:
+                    last = seq.blocks[-1]
+                    if ref_count(last) - dropping.get(last, 0) > 1:
+                        dropping[last] = dropping.get(last, 0) + 1
+                        block = alloc()
+                        fresh.append(block)
+                        plan.append((seq, token, block, True))
+                        continue
+                plan.append((seq, token, -1, False))
+            pairs = [(seq.blocks[-1], block) for seq, _token, block, copy in plan if copy]
+            self._init([block for _seq, _token, block, copy in plan if block >= 0 and not copy])
             if pairs:
                 if self._gpu is not None:
                     self._cache.copy_blocks(pairs, self._gpu, self._stream)
@@ -140,16 +137,14 @@ class DecodeSteps:
             for block in reversed(fresh):
                 allocator.dec_ref(block)
             raise
-        batch, at, released = self._batch, 0, []
-        for seq, token, boundary, copy in plan:  # nothing below fails
+        batch, released, appended = self._batch, [], []
+        for seq, token, block, copy in plan:  # nothing below fails
             blocks, old = seq.blocks, seq.num_tokens
             if copy:
-                shared, blocks[-1] = blocks[-1], fresh[at]
+                shared, blocks[-1] = blocks[-1], block
                 allocator.dec_ref(shared)
-                at += 1
-            elif boundary:
-                blocks.append(fresh[at])
-                at += 1
+            elif block >= 0:
+                blocks.append(block)
             seq.maybe_shared = False
             if window is not None and len(blocks) > window:
                 extra = len(blocks) - window
@@ -158,13 +153,15 @@ class DecodeSteps:
                 seq.dropped += extra
                 seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
                 batch.rewrite(seq)
-            elif boundary and not copy:
-                batch.block_appended(seq)
+            elif block >= 0 and not copy:
+                appended.append(seq)
             else:
                 batch.rewrite(seq)
             seq.num_tokens, seq.step_start = old + 1, old
             if seq.tokens_known:
                 seq.tokens.append(token)
             seq.room = (seq.dropped + len(blocks)) * bs  # (`settle`: no drafts, no longer shared)
+        if appended:
+            batch.blocks_appended(appended)
         if released:
             allocator.free_blocks(released)

@@ -362,10 +362,14 @@ class PrefixCache(RetentionApi):
         return self._insert_checked(tokens, blocks, n_full, adapter_id, False, keys, packed)
 
     def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool,
-                        keys: BlockKeys | None = None, packed: bytes | None = None) -> int:
+                        keys: BlockKeys | None = None, packed: bytes | None = None, hint: list[Node] = ()) -> int:
         """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
         With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
-        already cached under the current node is followed without comparing its tokens.
+        already cached under the current node is followed without comparing its tokens,
+        and `hint` may name the nodes of `blocks[:len(hint)]` as a walk found them (a
+        sequence's matched prefix): taken without a walk while the last of them still
+        holds its block (a device node's ancestors are device nodes with their blocks,
+        and a block the caller holds is never evicted), else ignored.
         `packed`: the tokens' int64 bytes when the caller has them (else packed here, the
         new part only)."""
         tiering = self._check_tier()
@@ -374,7 +378,11 @@ class PrefixCache(RetentionApi):
         root = tree.roots.get(root_key)
         node, path, data, base = root, [], packed, 0
         if root is not None:
-            node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys, packed)
+            k = len(hint)
+            if by_block and 0 < k <= n_full and self._by_block.get(blocks[k - 1]) is hint[k - 1]:
+                node, path, data, base = tree.follow(hint[-1], tokens, blocks, n_full, by_block, keys, packed, hint)
+            else:
+                node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys, packed)
         first_new = len(path)
         path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
         adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks

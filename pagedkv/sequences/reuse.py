@@ -78,4 +78,4 @@ class PrefixReuse:
         full = min(len(seq.tokens), seq.num_tokens) // block_size
         if not full:
             return 0
-        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True, seq.salt)
+        return prefix._insert_checked(seq.tokens, seq.blocks, full, seq.adapter_id, True, seq.salt, hint=seq.cached)

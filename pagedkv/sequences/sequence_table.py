@@ -64,7 +64,7 @@ def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int]
 class _Seq:
     __slots__ = (
         "blocks", "num_tokens", "tokens", "tokens_known", "dropped", "adapter_id", "step_start", "maybe_shared", "room",
-        "lookahead", "salt", "row", "mark",
+        "lookahead", "salt", "row", "mark", "cached",
     )
 
     def __init__(self, blocks: list[int], num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
@@ -81,6 +81,7 @@ class _Seq:
         self.salt = None  # the prefix cache's key context (cache salt, extra keys) of the prompt
         self.row = -1  # row in the table's persistent batch (KeptBatch)
         self.mark = 0  # the latest append_decode call that counted this record
+        self.cached: list = []  # the prefix cache's nodes of blocks[:len(cached)] when added (a walk's hint)
 
     def settle(self, block_size: int) -> None:
         """Recompute `room` after the blocks, `maybe_shared` or `lookahead` changed (-1, no
@@ -90,6 +91,7 @@ class _Seq:
     def clone(self) -> "_Seq":
         other = _Seq(list(self.blocks), self.num_tokens, list(self.tokens), self.adapter_id, self.num_tokens)
         other.tokens_known, other.dropped, other.salt = self.tokens_known, self.dropped, self.salt
+        other.cached = self.cached  # (never changed in place)
         return other
 
 
@@ -222,6 +224,8 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         matched += hosted * self._bs
         seq = self._seqs[seq_id] = _Seq(blocks + fresh, n, tokens, adapter_id, matched)
         seq.salt = keys
+        if blocks:
+            seq.cached = found.path  # type: ignore[attr-defined] - a reservation's device nodes, blocks' order
         seq.settle(self._bs)
         self._batch.add(seq_id, seq)
         return matched

@@ -123,17 +123,19 @@ class RadixTree:
 
     def follow(self, node: Node, tokens: list[int], blocks: list[int], n_full: int,
                by_block: bool, keys: BlockKeys | None = None,
-               packed: bytes | None = None) -> tuple[Node, list[Node], bytes | None, int]:
+               packed: bytes | None = None, passed: list[Node] = ()) -> tuple[Node, list[Node], bytes | None, int]:
         """Walk down from `node` along the first `n_full` blocks of `tokens` (valid ids) as
         far as the tree has them. With `by_block`, the caller vouches that `blocks[i]` holds
         block i, so a cached block under the current node is followed without comparing
         its tokens. `packed`: all of `tokens` as int64 bytes, when the caller has them.
-        Returns the last node reached, the nodes passed (in order), and the tokens packed
-        as int64 bytes from block `base` on with `base` (`packed` and 0 when given; None
-        and 0 when every step went through the index)."""
+        `passed`: the nodes of the first blocks, already known (`node` the last of them):
+        the walk goes on from there. Returns the last node reached, the nodes passed (in
+        order, a new list), and the tokens packed as int64 bytes from block `base` on with
+        `base` (`packed` and 0 when given; None and 0 when every step went through the
+        index)."""
         bs = self.block_size
         step = 8 * bs
-        index, passed = self.by_block, []
+        index, passed = self.by_block, list(passed)
         data: bytes | None = packed  # else made when first needed
         base = 0
         while len(passed) < n_full:
