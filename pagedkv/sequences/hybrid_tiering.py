@@ -139,8 +139,11 @@ class HybridTiering:
             self.disk.announce(g, written)
         return len(gone)
 
-    def forget(self, g: int, hosts: list[int]) -> None:
-        """Host entries `hosts` of group g leave the trie; their host ids are freed."""
+    def forget(self, g: int, hosts: list[int], replaced: bool = False) -> None:
+        """Host entries `hosts` of group g leave the trie; their host ids are freed (one
+        `GroupBlockRemoved` on the CPU each). Counted in `host_drops` and their nodes pruned
+        when left empty, unless `replaced`: a device copy is about to take each one's place
+        on its node (not an eviction; the caller gives the node its entry, then prunes)."""
         if not hosts:
             return
         owner, by_host = self.owner, self.by_host[g]
@@ -148,11 +151,13 @@ class HybridTiering:
         for node in nodes:
             del node.lower[g]
         self.tier.group(g).free(hosts)
-        self.host_drops[g] += len(hosts)
+        if not replaced:
+            self.host_drops[g] += len(hosts)
         for host, node in zip(hosts, nodes):
             if owner._events.consumer is not None:
                 owner._emit(owner._removed_event(g, host, node, "CPU"))
-            owner._prune(node)
+            if not replaced:
+                owner._prune(node)
 
     def live(self) -> bool:
         """False once any group's host tier was released."""
