@@ -680,6 +680,11 @@ class HybridPrefixCache:
         if deepest > len(tokens):
             raise ValueError(f"an entry ends at {deepest}, past the {len(tokens)} tokens given")
         u = self._unit
+        for g, pairs in group_entries.items():  # before any node is made: a bad entry changes nothing
+            self._layout.check_group(g)
+            for pos, _ in pairs:
+                if pos % u or pos <= 0:
+                    raise ValueError(f"group {g} entry at position {pos}: not a positive multiple of the unit {u}")
         self._check_tier()
         data = int64_bytes_of_ids(list(tokens[: (deepest // u) * u]))
         node, path, step = self._root(adapter_id, keys), [], 8 * u
@@ -697,8 +702,6 @@ class HybridPrefixCache:
         stored = 0
         for g, pairs in group_entries.items():
             for pos, entry in pairs:
-                if pos % u or pos <= 0:
-                    raise ValueError(f"group {g} entry at position {pos}: not a positive multiple of the unit {u}")
                 target = path[pos // u - 1]
                 if g in target.entries or entry in self._where[g]:
                     continue
@@ -900,7 +903,8 @@ class HybridPrefixCache:
     def check_invariants(self) -> None:
         """Every entry is on one node that lists it, and holds a count >= 1; every node an
         entry of any tier is on is reachable from one of the cache's roots (each parent lists
-        it as its child)."""
+        it as its child); every node below a root holds an entry of some tier or a child
+        (empty chain ends are pruned)."""
         roots = {id(root) for root in self._roots.values()}
         for g, where in enumerate(self._where):
             alloc = self._allocator(g)
@@ -920,6 +924,12 @@ class HybridPrefixCache:
                     if not self._reachable(node, roots):
                         raise KvCacheError(f"group {g} {medium} entry {entry} is on a node no root reaches "
                                            f"(depth {node.depth})")
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None and not (node.entries or node.lower or node.disk or node.children):
+                raise KvCacheError(f"a trie node at depth {node.depth} holds no entry and no child (not pruned)")
+            stack.extend(node.children.values())
         if self._tiering is not None:
             self._tiering.check()
         if self._disk is not None:

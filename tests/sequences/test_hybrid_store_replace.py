@@ -112,3 +112,20 @@ def test_check_invariants_names_an_entry_on_a_node_no_root_reaches():
     del node.parent.children[node.key]  # detach it, as the old store did
     with pytest.raises(KvCacheError, match=r"group 2 host entry \d+ is on a node no root reaches \(depth 2\)"):
         world.prefix.check_invariants()
+
+
+def test_a_store_with_a_bad_position_changes_nothing():
+    world = World()
+    checkpoint_only(world, OTHER)
+    before = (sorted(world.prefix.entries()), [world.prefix.num_cached(g) for g in range(3)])
+    (block,) = world.cache.group(0).alloc_blocks(1)
+    (slot,) = world.cache.group(2).alloc_blocks(1)
+    with pytest.raises(ValueError, match="group 2 entry at position 6: not a positive multiple of the unit 4"):
+        world.prefix.store(CHAIN, 0, {0: [(4, block)], 2: [(6, slot)]})
+    with pytest.raises(IndexError, match="group"):
+        world.prefix.store(CHAIN, 0, {0: [(4, block)], 3: [(8, slot)]})
+    assert (sorted(world.prefix.entries()), [world.prefix.num_cached(g) for g in range(3)]) == before
+    assert world.cache.group(0).ref_count(block) == 1  # the caller's only
+    world.prefix.check_invariants()  # no empty node left behind
+    world.cache.group(0).free_blocks([block])
+    world.cache.group(2).free_blocks([slot])
