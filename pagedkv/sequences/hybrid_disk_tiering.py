@@ -221,6 +221,9 @@ class HybridDiskTiering:
         if slot is None and tier.is_writable():
             tier.poll()  # writes finished meanwhile: their slots may be reused
             slot = tier.alloc_slot()
+            if slot is None and not tier.staging_free():  # the write queue is full: not written
+                tier.count_skipped()
+                return None
         if slot is None and tier.is_writable() and tier.staging_free():
             victim = None
             for i, candidate in enumerate(tier.oldest()):
