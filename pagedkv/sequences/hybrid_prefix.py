@@ -710,7 +710,7 @@ class HybridPrefixCache:
                 if g in target.lower:
                     if self._tiering.pinned(g, target.lower[g]):
                         continue
-                    self._tiering.forget(g, [target.lower[g]], replaced=True)
+                    self._tiering.forget(g, [target.lower[g]], dropped=False, prune=False)
                 if g in target.disk:
                     if self._disk.pinned(g, target.disk[g]):
                         continue

@@ -1,7 +1,8 @@
 """A device entry stored over a host-held or disk-held entry of its group takes that entry's
 place on the SAME trie node: a match finds it, a further store of the same chain caches no
 duplicate, every node an entry of any tier is on stays reachable from its root
-(`check_invariants`), and the replacement counts as no eviction in `stats()`."""
+(`check_invariants`), and the replacement counts as no eviction in `stats()` (nor do
+`clear` and `close`: no entry leaves for room). A store with a bad entry changes nothing."""
 
 from __future__ import annotations
 
@@ -129,3 +130,18 @@ def test_a_store_with_a_bad_position_changes_nothing():
     world.prefix.check_invariants()  # no empty node left behind
     world.cache.group(0).free_blocks([block])
     world.cache.group(2).free_blocks([slot])
+
+
+def test_clear_and_close_count_no_host_eviction():
+    world = World()
+    checkpoint_only(world, CHAIN)
+    checkpoint_only(world, OTHER)
+    world.prefix.evict(2, 99)
+    world.prefix.clear()  # the host entries go, but not for room
+    s = world.prefix.stats()
+    assert s.host_cached_entries == (0, 0, 0) and s.demotions == (0, 0, 2) and s.host_evictions == (0, 0, 0)
+    checkpoint_only(world, CHAIN)
+    world.prefix.evict(2, 99)
+    world.prefix.close()
+    s = world.prefix.stats()
+    assert s.demotions == (0, 0, 3) and s.host_evictions == (0, 0, 0)
