@@ -177,6 +177,8 @@ class DiskTiering:
     def _free_slot(self) -> int | None:
         disk = self.disk
         slot = disk.alloc_slot()
+        if slot is None and disk.is_writable() and not disk.staging_free():
+            disk.count_skipped()  # the write queue is full: not written
         if slot is not None or not disk.is_writable() or not disk.staging_free():
             return slot
         victim = None

@@ -165,8 +165,9 @@ class HybridDiskTiering:
                 if node is not None:
                     self._lose(g, slot, node, free=False)
 
-    def _lose(self, g: int, slot: int, node: Any, free: bool = True) -> None:
-        """Group g's entry in `slot` (on `node`) leaves the trie (its slot freed when `free`)."""
+    def _lose(self, g: int, slot: int, node: Any, free: bool = True, prune: bool = True) -> None:
+        """Group g's entry in `slot` (on `node`) leaves the trie (its slot freed when `free`;
+        `node` pruned when left empty and `prune`)."""
         del self.by_slot[g][slot]
         del node.disk[g]
         if free:
@@ -174,7 +175,8 @@ class HybridDiskTiering:
         owner = self.owner
         if owner._events.consumer is not None:
             owner._emit(owner._removed_event(g, slot, node, "DISK"))
-        owner._prune(node)
+        if prune:
+            owner._prune(node)
 
     # -- down: host -> disk ----------------------------------------------------------------
 
@@ -219,6 +221,9 @@ class HybridDiskTiering:
         if slot is None and tier.is_writable():
             tier.poll()  # writes finished meanwhile: their slots may be reused
             slot = tier.alloc_slot()
+            if slot is None and not tier.staging_free():  # the write queue is full: not written
+                tier.count_skipped()
+                return None
         if slot is None and tier.is_writable() and tier.staging_free():
             victim = None
             for i, candidate in enumerate(tier.oldest()):
@@ -244,8 +249,10 @@ class HybridDiskTiering:
         return slot
 
     def forget(self, g: int, node: Any) -> None:
-        """Group g's disk entry on `node` leaves the trie (a device copy takes its place)."""
-        self._lose(g, node.disk[g], node)
+        """Group g's disk entry on `node` leaves the trie: a device copy takes its place (not
+        an eviction: not counted in `drops`; `node` is not pruned, the caller gives it the
+        entry)."""
+        self._lose(g, node.disk[g], node, prune=False)
 
     # -- up: disk -> host (staged) -> device -------------------------------------------------
 

@@ -680,6 +680,11 @@ class HybridPrefixCache:
         if deepest > len(tokens):
             raise ValueError(f"an entry ends at {deepest}, past the {len(tokens)} tokens given")
         u = self._unit
+        for g, pairs in group_entries.items():  # before any node is made: a bad entry changes nothing
+            self._layout.check_group(g)
+            for pos, _ in pairs:
+                if pos % u or pos <= 0:
+                    raise ValueError(f"group {g} entry at position {pos}: not a positive multiple of the unit {u}")
         self._check_tier()
         data = int64_bytes_of_ids(list(tokens[: (deepest // u) * u]))
         node, path, step = self._root(adapter_id, keys), [], 8 * u
@@ -697,16 +702,16 @@ class HybridPrefixCache:
         stored = 0
         for g, pairs in group_entries.items():
             for pos, entry in pairs:
-                if pos % u or pos <= 0:
-                    raise ValueError(f"group {g} entry at position {pos}: not a positive multiple of the unit {u}")
                 target = path[pos // u - 1]
                 if g in target.entries or entry in self._where[g]:
                     continue
-                if g in target.lower:  # held on the host: the device copy takes its place
+                # held on the host (or on disk): the device copy takes its place; `target` is
+                # not pruned meanwhile (it gets the entry next; the end of the chain is pruned below)
+                if g in target.lower:
                     if self._tiering.pinned(g, target.lower[g]):
                         continue
-                    self._tiering.forget(g, [target.lower[g]])
-                if g in target.disk:  # held on disk: likewise
+                    self._tiering.forget(g, [target.lower[g]], dropped=False, prune=False)
+                if g in target.disk:
                     if self._disk.pinned(g, target.disk[g]):
                         continue
                     self._disk.forget(g, target)
@@ -896,7 +901,11 @@ class HybridPrefixCache:
         return dict.fromkeys(self._where[self._layout.check_group(group)], 1)
 
     def check_invariants(self) -> None:
-        """Every entry is on one node that lists it, and holds a count >= 1."""
+        """Every entry is on one node that lists it, and holds a count >= 1; every node an
+        entry of any tier is on is reachable from one of the cache's roots (each parent lists
+        it as its child); every node below a root holds an entry of some tier or a child
+        (empty chain ends are pruned)."""
+        roots = {id(root) for root in self._roots.values()}
         for g, where in enumerate(self._where):
             alloc = self._allocator(g)
             for entry, node in where.items():
@@ -904,8 +913,35 @@ class HybridPrefixCache:
                     raise KvCacheError(f"group {g} entry {entry} is not on its node")
                 if alloc.ref_count(entry) < 1:
                     raise KvCacheError(f"group {g} cached entry {entry} has count 0")
+        tiers = [("device", self._where)]
+        if self._tiering is not None:
+            tiers.append(("host", self._tiering.by_host))
+        if self._disk is not None:
+            tiers.append(("disk", self._disk.by_slot))
+        for medium, index in tiers:
+            for g, where in enumerate(index):
+                for entry, node in where.items():
+                    if not self._reachable(node, roots):
+                        raise KvCacheError(f"group {g} {medium} entry {entry} is on a node no root reaches "
+                                           f"(depth {node.depth})")
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None and not (node.entries or node.lower or node.disk or node.children):
+                raise KvCacheError(f"a trie node at depth {node.depth} holds no entry and no child (not pruned)")
+            stack.extend(node.children.values())
         if self._tiering is not None:
             self._tiering.check()
         if self._disk is not None:
             self._disk.poll()
             self._disk.check()
+
+    @staticmethod
+    def _reachable(node: _Node, roots: set) -> bool:
+        """True when walking up from `node` every parent lists the node below as its child and
+        the walk ends at a root whose id is in `roots`."""
+        while node.parent is not None:
+            if node.parent.children.get(node.key) is not node:
+                return False
+            node = node.parent
+        return id(node) in roots

@@ -139,8 +139,12 @@ class HybridTiering:
             self.disk.announce(g, written)
         return len(gone)
 
-    def forget(self, g: int, hosts: list[int]) -> None:
-        """Host entries `hosts` of group g leave the trie; their host ids are freed."""
+    def forget(self, g: int, hosts: list[int], dropped: bool = True, prune: bool = True) -> None:
+        """Host entries `hosts` of group g leave the trie; their host ids are freed (one
+        `GroupBlockRemoved` on the CPU each). `dropped`: they left for room (counted in
+        `host_drops`, the stats' `host_evictions`); not so for a device copy taking their
+        place (`store`) or `clear`/`close`. `prune`: their nodes left empty leave the trie
+        (False when the caller is about to give the node an entry, and prunes after)."""
         if not hosts:
             return
         owner, by_host = self.owner, self.by_host[g]
@@ -148,11 +152,13 @@ class HybridTiering:
         for node in nodes:
             del node.lower[g]
         self.tier.group(g).free(hosts)
-        self.host_drops[g] += len(hosts)
+        if dropped:
+            self.host_drops[g] += len(hosts)
         for host, node in zip(hosts, nodes):
             if owner._events.consumer is not None:
                 owner._emit(owner._removed_event(g, host, node, "CPU"))
-            owner._prune(node)
+            if prune:
+                owner._prune(node)
 
     def live(self) -> bool:
         """False once any group's host tier was released."""
@@ -174,9 +180,10 @@ class HybridTiering:
         _log.info("prefix_cache_host_tier_gone", groups=len(self.by_host))
 
     def forget_all(self) -> None:
-        """Drop every host entry of every group (clear, close)."""
+        """Drop every host entry of every group (clear, close; not counted in `host_drops`:
+        none left for room)."""
         for g, by_host in enumerate(self.by_host):
-            self.forget(g, list(by_host))
+            self.forget(g, list(by_host), dropped=False)
         self._pins.clear()
 
     # -- promotion ------------------------------------------------------------------------

@@ -382,6 +382,11 @@ class DiskTier:
         self._io.submit(WriteJob(slot, staging, at, meta))
         return True
 
+    def count_skipped(self) -> None:
+        """Count one block not written because every staging slot was busy (its write queue
+        full; `stats().skipped_writes`): for a caller whose `alloc_slot` gave None for that."""
+        self._counts["skipped"] += 1
+
     def staging_free(self) -> int:
         """Staging slots free: blocks that can be queued now."""
         return len(self._staging_free) if self.is_writable() else 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Sequence
 
 from ..core.log import get_logger
@@ -74,6 +75,23 @@ def group_differences(mine: dict, theirs: dict) -> list[str]:
     return out
 
 
+def _naming_group(err: Exception, g: int) -> Exception:
+    """`err` (from group g's `DiskTier.bind`) with its message naming the group: a new one of
+    its type for a one-message error, else `err` with a note naming the group."""
+    if f"group {g}" in str(err):
+        return err
+    if len(err.args) == 1 and isinstance(err.args[0], str):
+        try:
+            named = type(err)(f"group {g}: {err.args[0]}")
+        except Exception:  # noqa: BLE001 - a type that does not take one message: a note instead
+            named = None
+        if named is not None:
+            named.__cause__ = err
+            return named
+    err.add_note(f"in the disk tier of group {g}")
+    return err
+
+
 class HybridDiskTier:
     """A disk tier for every group of a hybrid cache in `directory` (see the module
     docstring). `capacity_bytes`: an int for every group, or one entry per group (None: the
@@ -123,8 +141,12 @@ class HybridDiskTier:
         """Open every group's tier for `host_tier` (a `HybridHostTier`; once: PrefixCache does
         it); `block_sizes[g]`: tokens per record of group g. Refuses another grouping or a
         group of another layout (DiskLayoutMismatch naming the fields, nothing read but the
-        layout files) and a second writer; all or nothing (a failure closes the tiers it
-        opened). Returns each group's stored records, oldest first."""
+        layout files), a group's capacity_bytes below one slot of that group (ValueError
+        naming the group, the capacity and the slot size, nothing written) and a second
+        writer; every error from a group's tier names the group. All or nothing: a failure
+        closes the tiers it opened and removes the group directories it created (never one
+        that was there before); `groups.json` is written only once every group is bound.
+        Returns each group's stored records, oldest first."""
         if self._bound:
             raise KvCacheError(f"{self.label()} is already bound to a prefix cache")
         if self._closed:
@@ -146,29 +168,51 @@ class HybridDiskTier:
                 tier.check_layout(described)
             except DiskLayoutMismatch as err:
                 raise DiskLayoutMismatch(f"group {g}: {err}") from None
+            # before anything is written: a group's capacity must hold one of its slots
+            if capacities[g] is not None and capacities[g] < described["slot_bytes"]:
+                raise ValueError(f"group {g}: disk tier capacity_bytes {capacities[g]} is less than one slot of "
+                                 f"that group ({described['slot_bytes']} bytes)")
         for g in range(n):  # before anything is written: a new group directory needs a size
             if capacities[g] is None and disk_layout.read_layout(self.group_directory(g)) is None:
                 raise ValueError(f"{self.group_directory(g)} holds no disk tier yet: give capacity_bytes "
                                  f"for group {g}")
-        if theirs is None and not self._options["read_only"]:
-            try:
-                os.makedirs(self._directory, exist_ok=True)
-                self._write_groups(path, mine)
-            except OSError as err:  # degraded below: each group's tier finds it cannot write
-                _log.warning("disk_tier_not_writable", directory=self._directory, reason=f"{type(err).__name__}: {err}")
+        existed = [os.path.exists(self.group_directory(g)) for g in range(n)]
+        top_existed = os.path.exists(self._directory)
         records: list[list[IndexRecord]] = []
         try:
             for g, tier in enumerate(tiers):
-                records.append(tier.bind(host_tier.group(g), block_sizes[g]))
+                try:
+                    records.append(tier.bind(host_tier.group(g), block_sizes[g]))
+                except Exception as err:
+                    raise _naming_group(err, g)
         except BaseException:
             for tier in tiers:
                 tier.close()
+            self._remove_created(existed, top_existed)
             raise
+        if theirs is None and not self._options["read_only"]:  # only once every group is bound
+            try:
+                os.makedirs(self._directory, exist_ok=True)
+                self._write_groups(path, mine)
+            except OSError as err:  # degraded: each group's tier found it cannot write
+                _log.warning("disk_tier_not_writable", directory=self._directory, reason=f"{type(err).__name__}: {err}")
         self._tiers = tiers
         self._bound = True
         _log.info("hybrid_disk_tier_opened", directory=self._directory, groups=n,
                   restored=[len(r) for r in records])
         return records
+
+    def _remove_created(self, existed: list[bool], top_existed: bool) -> None:
+        """A failed bind: remove the group directories it created (`existed[g]` False) and the
+        tier directory when it created that and left it empty; nothing that was there before."""
+        for g, was in enumerate(existed):
+            if not was:
+                shutil.rmtree(self.group_directory(g), ignore_errors=True)
+        if not top_existed:
+            try:
+                os.rmdir(self._directory)
+            except OSError:
+                pass  # not empty (something else put a file there meanwhile) or already gone
 
     @staticmethod
     def _read_groups(path: str) -> dict | None:
