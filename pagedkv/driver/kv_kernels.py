@@ -275,16 +275,17 @@ def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_
     byte an NHD block of one head (docs/LAYOUTS.md), so such a block is handed over as its
     chunks: chunk h of block b is "block" b * (stride / chunk) + h of a pool of chunk-sized
     blocks (the sums do not depend on the order of the values). NHD, one head, and bf16 / fp8
-    (a block all values, no scales) keep their blocks. ValueError naming the bad value:
-    `layout` not a layout, `heads` not a positive int whose heads are whole multiples of 16
-    values, an HND stride that is not a whole number of chunks, or a chunk index past the
-    kernels' int32 limit."""
+    (a block all values, no scales) keep their blocks, whatever their head_dim. ValueError
+    naming the bad value: `layout` not a layout, `heads` not a positive int, and, only where
+    a block is split into head chunks, `heads` not splitting a token into heads of whole
+    multiples of 16 values, an HND stride that is not a whole number of chunks, or a chunk
+    index past the kernels' int32 limit."""
     layout = parse_layout(layout)
     heads = positive_int(heads, "heads")
-    if row_elements % heads or (row_elements // heads) % 16:
-        raise ValueError(f"heads must split {row_elements} values a token into heads of a multiple of 16, got {heads}")
     if layout == "NHD" or heads == 1 or not SIDE_FORMATS[fmt].grouped:
         return blocks, stride, row_elements
+    if row_elements % heads or (row_elements // heads) % 16:
+        raise ValueError(f"heads must split {row_elements} values a token into heads of a multiple of 16, got {heads}")
     chunk = side_bytes(fmt, block_size * row_elements) // heads
     if stride % chunk:
         raise ValueError(f"an HND block stride of {stride} bytes is not a whole number of {chunk}-byte head chunks")

@@ -113,7 +113,8 @@ def test_checksum_geometry_is_checked_before_any_launch():
 def test_hnd_blocks_go_to_the_checksum_kernel_as_their_head_chunks():
     """kv_kernels.checksum_chunks: an HND block of a grouped format is handed over as its
     head chunks (each an NHD block of one head), chunk h of block b at b * stride + h *
-    chunk; NHD, one head and bf16 / fp8 keep their blocks; bad geometry is refused naming it."""
+    chunk; NHD, one head and bf16 / fp8 keep their blocks (any head_dim); bad geometry is
+    refused naming it."""
     from pagedkv.core.layout import SideLayout
     from pagedkv.driver.kv_kernels import checksum_chunks
 
@@ -128,6 +129,12 @@ def test_hnd_blocks_go_to_the_checksum_kernel_as_their_head_chunks():
         fmt, layout, heads = args
         got, stride, row = checksum_chunks(blocks, fmt, 16, 128, 4 * chunk, layout, heads)
         assert (got.tolist(), stride, row) == ([2, 0], 4 * chunk, 128), args
+    # blocks that are not split take any head_dim: bf16 / fp8 heads of 8 or 72 values, NHD and HND
+    for fmt in (KvCacheDtype.BF16, KvCacheDtype.FP8):
+        for layout in ("NHD", "HND"):
+            for heads, row in ((2, 16), (8, 576)):
+                got, stride, got_row = checksum_chunks(blocks, fmt, 4, row, 640, layout, heads)
+                assert (got.tolist(), stride, got_row) == ([2, 0], 640, row), (fmt, layout, heads)
     with pytest.raises(ValueError, match="layout must be one of NHD, HND, got 'nhd'"):
         checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "nhd", 4)
     with pytest.raises(ValueError, match="heads must split 128 values a token into heads of a multiple of 16, got 3"):
