@@ -267,7 +267,7 @@ def check_kv_side_row(
 
 
 def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_elements: int, stride: int,
-                    layout: str, heads: int) -> tuple[np.ndarray, int, int]:
+                    layout: str, heads: int | None) -> tuple[np.ndarray, int, int]:
     """(blocks, stride, row_elements) the checksum kernel reads for the listed `blocks` (int64)
     of a pool of `layout` blocks with `heads` heads of `row_elements // heads` values, whose
     blocks are `stride` bytes apart. The kernel reads a block as its data section then its
@@ -275,12 +275,18 @@ def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_
     byte an NHD block of one head (docs/LAYOUTS.md), so such a block is handed over as its
     chunks: chunk h of block b is "block" b * (stride / chunk) + h of a pool of chunk-sized
     blocks (the sums do not depend on the order of the values). NHD, one head, and bf16 / fp8
-    (a block all values, no scales) keep their blocks, whatever their head_dim. ValueError
-    naming the bad value: `layout` not a layout, `heads` not a positive int, and, only where
+    (a block all values, no scales) keep their blocks, whatever their head_dim. `heads` may
+    be None for NHD only (an HND block's chunks cannot be found without it). ValueError
+    naming the bad value: `layout` not a layout, `heads` None for HND or not a positive int,
+    and, only where
     a block is split into head chunks, `heads` not splitting a token into heads of whole
     multiples of 16 values, an HND stride that is not a whole number of chunks, or a chunk
     index past the kernels' int32 limit."""
     layout = parse_layout(layout)
+    if heads is None:
+        if layout == "HND":
+            raise ValueError("heads must be given for layout HND (the heads a token, which place its head chunks), got None")
+        heads = 1
     heads = positive_int(heads, "heads")
     if layout == "NHD" or heads == 1 or not SIDE_FORMATS[fmt].grouped:
         return blocks, stride, row_elements
