@@ -20,7 +20,7 @@ from ..backends.protocol import BlockRegions, DevicePtr
 from ..codecs.rotation import ROTATED_HEAD_DIMS
 from ..core.dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
 from ..core.layout import parse_layout
-from ..core.validate import index_in_range, positive_int
+from ..core.validate import index_in_range, non_negative_int, positive_int
 
 KV_THREADS = 128
 """Threads per CTA of the KV row kernels (KV_THREADS in kv_rows.cu)."""
@@ -307,7 +307,8 @@ MAX_LAUNCH_HEADS = 2**16 - 1
 one int, the chunk in the low 16 bits)."""
 
 MAX_LAUNCH_LAYERS = 2**14 - 1
-"""The most layers a layer table may hold (its 2 * layers sides in the word's 15 upper bits)."""
+"""The most layers a layer table may hold and a layer launch (`kv_write_layers` /
+`kv_read_layers`) may take (its 2 * layers sides in the word's 15 upper bits)."""
 
 
 def _check_launch_counts(heads: int, layers: int = 1) -> None:
@@ -407,7 +408,8 @@ class KvKernels:
         `num_layers` layers of the device table at `table` (`kv_layer_table`'s bytes, in
         this backend's memory) into the slots at `slots`, as `kv_write_rows` does per layer.
         `launch` is `kv_layer_launch` of the table (None: the every-format kernel at the
-        grid's most CTAs). Nothing is checked on the device."""
+        grid's most CTAs). `num_layers` must be an int in 0..MAX_LAUNCH_LAYERS (ValueError
+        naming it, before anything is enqueued); nothing is checked on the device."""
         self._layers_launch("pagedkv_kv_write", table, num_layers, slots, num_tokens, block_size, limit,
                             stream, launch, int(nonfinite))
 
@@ -416,13 +418,18 @@ class KvKernels:
         """Enqueue on `stream` one launch decoding the `num_tokens` slots at `slots` of each of
         the `num_layers` layers of the device table at `table` (`kv_layer_table(...,
         reading=True)`'s bytes) into each layer's output rows (a slot outside 0..limit-1
-        gives zeros). `launch` as for `kv_write_layers`."""
+        gives zeros). `launch` and the `num_layers` check as for `kv_write_layers`."""
         self._layers_launch("pagedkv_kv_read", table, num_layers, slots, num_tokens, block_size, limit,
                             stream, launch, 0)
 
     def _layers_launch(self, name: str, table, num_layers: int, slots, num_tokens: int, block_size: int, limit: int,
                        stream, launch, nonfinite: int) -> None:
         handle = self._stream(stream)
+        # kv_launch counts (side, chunk) in one int, the side in the upper 16 bits: 2 *
+        # num_layers sides past 2^15 overflow it (and read past the table)
+        num_layers = non_negative_int(num_layers, "num_layers")
+        if num_layers > MAX_LAUNCH_LAYERS:
+            raise ValueError(f"num_layers is {num_layers}, more than a layer launch's {MAX_LAUNCH_LAYERS}")
         if num_tokens == 0 or num_layers == 0:
             return
         suffix, per_token, fixed = launch if launch is not None else ("", 1 << 30, 0)
