@@ -278,10 +278,9 @@ def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_
     (a block all values, no scales) keep their blocks, whatever their head_dim. `heads` may
     be None for NHD only (an HND block's chunks cannot be found without it). ValueError
     naming the bad value: `layout` not a layout, `heads` None for HND or not a positive int,
-    and, only where
-    a block is split into head chunks, `heads` not splitting a token into heads of whole
-    multiples of 16 values, an HND stride that is not a whole number of chunks, or a chunk
-    index past the kernels' int32 limit."""
+    and, only where a block is split into head chunks, `heads` not splitting a token into
+    heads of whole multiples of 16 values, an HND stride that is not a whole number of
+    chunks, or a chunk index past the kernels' int32 limit."""
     layout = parse_layout(layout)
     if heads is None:
         if layout == "HND":
