@@ -254,7 +254,7 @@ class BlockKernels:
 
     def reduce_kv_blocks(
         self, regions: BlockRegions, region: int, blocks: Sequence[int], fmt: KvCacheDtype,
-        block_size: int, row_elements: int, stream: int, layout: str = "NHD", heads: int = 1,
+        block_size: int, row_elements: int, stream: int, layout: str = "NHD", heads: int | None = None,
     ) -> Bf16Stats:
         """Exact sum, sum of squares and sum of |x| of every stored value of the listed blocks
         of row `region`, a pool of side format `fmt` with `block_size` tokens of
@@ -263,21 +263,24 @@ class BlockKernels:
         float64 (pagedkv.exact_sum), so equal to math.fsum over the host decode on every grid
         and GPU; NaN/inf decoded values follow exact_sum's rules. BF16 runs the BF16
         reduction (`reduce_bf16_blocks`). `layout` ("NHD" or "HND") and `heads` (of
-        `row_elements // heads` values) place the pieces (docs/LAYOUTS.md): the sums are the
+        `row_elements // heads` values; required for HND, ValueError naming it when None;
+        NHD does not use it) place the pieces (docs/LAYOUTS.md): the sums are the
         same numbers in both layouts (an HND block of a grouped format goes to the kernel as
         its head chunks, kv_kernels.checksum_chunks). Two launches on `stream` and one copy
         of the result words: the pool bytes never leave the device. Waits for the result
-        without holding the backend's lock. No blocks give (0.0, 0.0, 0.0)."""
+        without holding the backend's lock. No blocks give (0.0, 0.0, 0.0). A block past the
+        row's end raises IndexError naming it (before any limit of the chunk indices)."""
         handle = self._stream(stream)
         region, base, stride, fmt = check_kv_side_row(regions, region, fmt, block_size, row_elements)
         block_idx = as_block_array(blocks)
+        if block_idx.size:
+            self._table(regions, int(block_idx.max()), region)
         idx, stride, row_elements = checksum_chunks(block_idx, fmt, block_size, row_elements, stride, layout, heads)
         if fmt is KvCacheDtype.BF16:
             return self.reduce_bf16_blocks(regions, region, blocks, stream)
         idx = _int32_indices(idx, "blocks")
         if idx.size == 0:
             return Bf16Stats(0.0, 0.0, 0.0)
-        self._table(regions, int(block_idx.max()), region)
         partial, final = "pagedkv_kv_checksum_partial", "pagedkv_kv_checksum_final"
         grid = self._grid(partial, idx.size)
         partials_at = -(-idx.nbytes // 16) * 16

@@ -20,7 +20,7 @@ from ..backends.protocol import BlockRegions, DevicePtr
 from ..codecs.rotation import ROTATED_HEAD_DIMS
 from ..core.dtype import SIDE_FORMATS, KvCacheDtype, side_bytes
 from ..core.layout import parse_layout
-from ..core.validate import index_in_range, positive_int
+from ..core.validate import index_in_range, non_negative_int, positive_int
 
 KV_THREADS = 128
 """Threads per CTA of the KV row kernels (KV_THREADS in kv_rows.cu)."""
@@ -267,7 +267,7 @@ def check_kv_side_row(
 
 
 def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_elements: int, stride: int,
-                    layout: str, heads: int) -> tuple[np.ndarray, int, int]:
+                    layout: str, heads: int | None) -> tuple[np.ndarray, int, int]:
     """(blocks, stride, row_elements) the checksum kernel reads for the listed `blocks` (int64)
     of a pool of `layout` blocks with `heads` heads of `row_elements // heads` values, whose
     blocks are `stride` bytes apart. The kernel reads a block as its data section then its
@@ -275,16 +275,22 @@ def checksum_chunks(blocks: np.ndarray, fmt: KvCacheDtype, block_size: int, row_
     byte an NHD block of one head (docs/LAYOUTS.md), so such a block is handed over as its
     chunks: chunk h of block b is "block" b * (stride / chunk) + h of a pool of chunk-sized
     blocks (the sums do not depend on the order of the values). NHD, one head, and bf16 / fp8
-    (a block all values, no scales) keep their blocks. ValueError naming the bad value:
-    `layout` not a layout, `heads` not a positive int whose heads are whole multiples of 16
-    values, an HND stride that is not a whole number of chunks, or a chunk index past the
-    kernels' int32 limit."""
+    (a block all values, no scales) keep their blocks, whatever their head_dim. `heads` may
+    be None for NHD only (an HND block's chunks cannot be found without it). ValueError
+    naming the bad value: `layout` not a layout, `heads` None for HND or not a positive int,
+    and, only where a block is split into head chunks, `heads` not splitting a token into
+    heads of whole multiples of 16 values, an HND stride that is not a whole number of
+    chunks, or a chunk index past the kernels' int32 limit."""
     layout = parse_layout(layout)
+    if heads is None:
+        if layout == "HND":
+            raise ValueError("heads must be given for layout HND (the heads a token, which place its head chunks), got None")
+        heads = 1
     heads = positive_int(heads, "heads")
-    if row_elements % heads or (row_elements // heads) % 16:
-        raise ValueError(f"heads must split {row_elements} values a token into heads of a multiple of 16, got {heads}")
     if layout == "NHD" or heads == 1 or not SIDE_FORMATS[fmt].grouped:
         return blocks, stride, row_elements
+    if row_elements % heads or (row_elements // heads) % 16:
+        raise ValueError(f"heads must split {row_elements} values a token into heads of a multiple of 16, got {heads}")
     chunk = side_bytes(fmt, block_size * row_elements) // heads
     if stride % chunk:
         raise ValueError(f"an HND block stride of {stride} bytes is not a whole number of {chunk}-byte head chunks")
@@ -300,7 +306,8 @@ MAX_LAUNCH_HEADS = 2**16 - 1
 one int, the chunk in the low 16 bits)."""
 
 MAX_LAUNCH_LAYERS = 2**14 - 1
-"""The most layers a layer table may hold (its 2 * layers sides in the word's 15 upper bits)."""
+"""The most layers a layer table may hold and a layer launch (`kv_write_layers` /
+`kv_read_layers`) may take (its 2 * layers sides in the word's 15 upper bits)."""
 
 
 def _check_launch_counts(heads: int, layers: int = 1) -> None:
@@ -400,7 +407,8 @@ class KvKernels:
         `num_layers` layers of the device table at `table` (`kv_layer_table`'s bytes, in
         this backend's memory) into the slots at `slots`, as `kv_write_rows` does per layer.
         `launch` is `kv_layer_launch` of the table (None: the every-format kernel at the
-        grid's most CTAs). Nothing is checked on the device."""
+        grid's most CTAs). `num_layers` must be an int in 0..MAX_LAUNCH_LAYERS (ValueError
+        naming it, before anything is enqueued); nothing is checked on the device."""
         self._layers_launch("pagedkv_kv_write", table, num_layers, slots, num_tokens, block_size, limit,
                             stream, launch, int(nonfinite))
 
@@ -409,13 +417,18 @@ class KvKernels:
         """Enqueue on `stream` one launch decoding the `num_tokens` slots at `slots` of each of
         the `num_layers` layers of the device table at `table` (`kv_layer_table(...,
         reading=True)`'s bytes) into each layer's output rows (a slot outside 0..limit-1
-        gives zeros). `launch` as for `kv_write_layers`."""
+        gives zeros). `launch` and the `num_layers` check as for `kv_write_layers`."""
         self._layers_launch("pagedkv_kv_read", table, num_layers, slots, num_tokens, block_size, limit,
                             stream, launch, 0)
 
     def _layers_launch(self, name: str, table, num_layers: int, slots, num_tokens: int, block_size: int, limit: int,
                        stream, launch, nonfinite: int) -> None:
         handle = self._stream(stream)
+        # kv_launch counts (side, chunk) in one int, the side in the upper 16 bits: 2 *
+        # num_layers sides past 2^15 overflow it (and read past the table)
+        num_layers = non_negative_int(num_layers, "num_layers")
+        if num_layers > MAX_LAUNCH_LAYERS:
+            raise ValueError(f"num_layers is {num_layers}, more than a layer launch's {MAX_LAUNCH_LAYERS}")
         if num_tokens == 0 or num_layers == 0:
             return
         suffix, per_token, fixed = launch if launch is not None else ("", 1 << 30, 0)

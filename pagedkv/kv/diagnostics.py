@@ -4,10 +4,13 @@ its E4M3 values, without the per-tensor scale), each exact and rounded once to f
 what `math.fsum` gives over the decoded values, on every backend.
 
 Where the sums are made: a backend with the optional method
-`reduce_kv_blocks(regions, region, blocks, fmt, block_size, row_elements, stream, layout=,
-heads=) -> Bf16Stats` (CudaBackend: kernels decoding and reducing every format on the
-device, either block layout, so the pool bytes never come back to the host) reduces every
-side itself. On any other backend
+`reduce_kv_blocks(regions, region, blocks, fmt, block_size, row_elements, stream) ->
+Bf16Stats` (CudaBackend: kernels decoding and reducing every format on the device, either
+block layout, so the pool bytes never come back to the host) reduces every side itself.
+An NHD cache calls it with those seven arguments only (the method's original form, which
+backends written before HND keep); an HND cache adds the keywords `layout="HND"` and
+`heads=` (the layer's heads), so a backend serving HND caches takes them (one without
+them raises TypeError there rather than summing HND blocks as NHD). On any other backend
 BF16 sides are reduced by the required `reduce_bf16_blocks` and the other formats are
 read back block by block (HND blocks put in NHD order first: the sums do not depend on the
 order) and decoded by the host codecs (pagedkv.exact_sum.float_stats)."""
@@ -42,8 +45,9 @@ def side_stats(pools: KvPools, layer: int, side: str, idx: np.ndarray, gpu: GpuB
     block_size = pools.config().block_size
     reduce_kv = getattr(gpu, "reduce_kv_blocks", None)
     if reduce_kv is not None:
+        placement = {} if pools.config().layout == "NHD" else {"layout": pools.config().layout, "heads": heads}
         return reduce_kv(pools.regions(), pools.region_index(layer, side), idx, fmt, block_size, heads * head_dim, stream,
-                         layout=pools.config().layout, heads=heads)
+                         **placement)
     if fmt is KvCacheDtype.BF16:
         return gpu.reduce_bf16_blocks(pools.regions(), pools.region_index(layer, side), idx, stream)
     nbytes = side_bytes(fmt, block_size * heads * head_dim)

@@ -183,3 +183,48 @@ def test_disk_layout_records_hnd_and_refuses_the_other_layout():
     assert "block_layout" not in nhd and hnd["block_layout"] == "HND"
     assert disk_layout.differences(nhd, hnd) == ["block_layout: here 'NHD', directory 'HND'"]
     assert disk_layout.differences(hnd, dict(hnd)) == []
+
+
+def test_layer_launches_refuse_more_layers_than_the_side_counter_holds():
+    """kv_write_layers / kv_read_layers take num_layers apart from the table: past
+    MAX_LAUNCH_LAYERS (2 * layers sides no longer fit kv_launch's counter) or negative, it
+    is refused naming it before anything is launched; the limit itself is launched."""
+    import threading
+
+    from pagedkv.driver.kv_kernels import MAX_LAUNCH_LAYERS, KvKernels
+
+    class Recording(KvKernels):
+        def __init__(self):
+            self._lock, self.launched = threading.Lock(), []
+            self._launchers = {name: self._launcher(name) for name in ("pagedkv_kv_write", "pagedkv_kv_read")}
+
+        def _launcher(self, name):
+            outer = self
+
+            class Launcher:
+                def launch(self, grid, handle, **fields):
+                    outer.launched.append((name, fields["num_layers"]))
+
+            return Launcher()
+
+        def _stream(self, stream):
+            return stream
+
+        def _enter(self):
+            pass
+
+        def _grid(self, name, units):
+            return 1
+
+    backend = Recording()
+    assert MAX_LAUNCH_LAYERS == 16383
+    for call in (backend.kv_write_layers, backend.kv_read_layers):
+        for bad, error in ((16384, "num_layers is 16384, more than a layer launch's 16383"),
+                           (2**20, "num_layers is 1048576, more than"),
+                           (-1, "num_layers must be a non-negative int, got -1")):
+            with pytest.raises(ValueError, match=error):
+                call(4096, bad, 8192, 1, 16, 64, 0)
+            with pytest.raises(ValueError, match=error):   # refused with no tokens too
+                call(4096, bad, 8192, 0, 16, 64, 0)
+        call(4096, MAX_LAUNCH_LAYERS, 8192, 1, 16, 64, 0)
+    assert backend.launched == [("pagedkv_kv_write", 16383), ("pagedkv_kv_read", 16383)]

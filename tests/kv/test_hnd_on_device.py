@@ -5,7 +5,8 @@ HostBackend's HND cache, zero and poison fills too; `read_tokens` (repeated and 
 with and without unrotation) and `plan_layer_reads` equal HostBackend's host decode bit for
 bit; the checksum events equal HostBackend's and those of an NHD cache holding the same
 rows (the sums do not depend on the layout). Mixed per-layer formats and dims; the
-kernel-level cases (every format, both CTA orders) are in tests/driver."""
+kernel-level cases (every format, both CTA orders) are in tests/driver. bf16 and fp8 caches
+whose head_dim is not a multiple of 16 give HostBackend's checksums in both layouts."""
 
 from __future__ import annotations
 
@@ -135,3 +136,106 @@ print("CHECK hnd ok")
 
 def test_hnd_cache_on_the_device_equals_the_host_reference(stub_env):
     assert "CHECK hnd ok" in run_on_stub(stub_env, BODY, timeout=300)
+
+
+NARROW_BODY = '''
+from structlog.testing import capture_logs
+from pagedkv import DeviceArray, HostBackend, KvCacheConfig, PagedKvCache
+from pagedkv.driver import CudaBackend
+
+BLOCK, NB = 4, 3
+FORMATS, DIMS = ("bf16", "fp8"), ((2, 8), (8, 72))   # head_dim 8 and 72: not multiples of 16
+rng = np.random.default_rng(31)
+rows = {layer: [rng.normal(size=(NB * BLOCK, *DIMS[layer])).astype(np.float32) for _ in "kv"] for layer in range(2)}
+SLOTS = np.arange(NB * BLOCK, dtype=np.int64)[::-1].copy()
+
+def on(gpu, x):
+    ptr = gpu.alloc(x.nbytes)
+    gpu.copy_h2d(np.ascontiguousarray(x).view(np.uint8).reshape(-1), ptr)
+    return DeviceArray(ptr, x.shape, x.dtype.name)
+
+def events(layout, gpu, stream):
+    cfg = KvCacheConfig(block_size=BLOCK, num_kv_heads=2, head_dim=8, num_layers=2, dtype="bf16", layer_dtypes=FORMATS,
+                        layer_dims=DIMS, layout=layout)
+    cache = PagedKvCache(cfg, NB, gpu)
+    cache.alloc_blocks(NB)
+    cache.zero_blocks(list(range(NB)), gpu, stream)
+    for layer, (k, v) in rows.items():
+        if isinstance(gpu, HostBackend):
+            cache.write_tokens(layer, SLOTS, k, v, gpu, stream)
+        else:
+            cache.write_tokens(layer, on(gpu, SLOTS), on(gpu, k), on(gpu, v), gpu, stream)
+    with capture_logs() as logs:
+        cache.debug_kv_checksum_per_layer([2, 0, 1], 1, gpu, stream, "t")
+        cache.debug_kv_per_block(1, [1, 2], gpu, stream, "t")
+    cache.release(gpu)
+    return [{k: v for k, v in e.items() if k != "log_level"} for e in logs
+            if e["event"] in ("kv_checksum", "kv_block_checksum")]
+
+host = HostBackend(1 << 24)
+for layout in ("NHD", "HND"):
+    want = events(layout, host, 0)
+    assert len(want) == 2 * 2 * 2 + 2 and all(e.get("ssq", e.get("k_ssq")) > 0 for e in want), want
+    with CudaBackend() as gpu:
+        stream = gpu.create_stream()
+        got = events(layout, gpu, stream)
+        gpu.destroy_stream(stream)
+    assert got == want, (layout, got, want)
+print("CHECK narrow heads ok")
+'''
+
+
+def test_bf16_and_fp8_checksums_of_heads_not_a_multiple_of_16_equal_the_host_reference(stub_env):
+    """bf16 and fp8 blocks hold values only, so their checksums take any head_dim: head_dim
+    8 and 72 (not multiples of 16) in NHD and HND give HostBackend's events on the device."""
+    assert "CHECK narrow heads ok" in run_on_stub(stub_env, NARROW_BODY, timeout=120)
+
+
+REDUCE_ARGS_BODY = '''
+from pagedkv import DeviceArray, HostBackend, KvCacheConfig, KvCacheDtype, PagedKvCache
+from pagedkv.driver import CudaBackend
+
+cfg = KvCacheConfig(block_size=4, num_kv_heads=3, head_dim=32, num_layers=1, dtype="nvfp4", layout="HND")
+x = np.random.default_rng(0).normal(size=(8, 3, 32)).astype(np.float32)
+x[:, 0] *= 100.0   # head 0 much larger: its scales differ from the others'
+host = HostBackend(1 << 24)
+want = PagedKvCache(cfg, 2, host)
+want.alloc_blocks(2)
+want.write_tokens(0, np.arange(8, dtype=np.int64), x, x, host, 0)
+with CudaBackend() as gpu:
+    s = gpu.create_stream()
+    c = PagedKvCache(cfg, 2, gpu)
+    c.alloc_blocks(2)
+    c.write_tokens(0, np.arange(8, dtype=np.int64), x, x, gpu, s)
+    gpu.synchronize(s)
+    regions, row = c.pools().regions(), c.pools().region_index(0, "K")
+    from pagedkv.kv.diagnostics import side_stats
+    ref = side_stats(want.pools(), 0, "K", np.array([0, 1]), host, 0)
+    got = gpu.reduce_kv_blocks(regions, row, [0, 1], KvCacheDtype.NVFP4, 4, 96, s, layout="HND", heads=3)
+    assert got == ref and got.ssq > 0, (got, ref)
+    launches = STUB.stub_launch_count()
+    for kwargs, blocks, error in (
+        (dict(layout="HND"), [0, 1], (ValueError, "heads must be given for layout HND")),
+        (dict(layout="HND", heads=3), [2**30], (IndexError, "block 1073741824 out of range: region 0 holds 2 blocks")),
+        (dict(layout="HND"), [2**29], (IndexError, "block 536870912 out of range")),
+        (dict(), [2**31], (IndexError, "block 2147483648 out of range")),
+    ):
+        try:
+            gpu.reduce_kv_blocks(regions, row, blocks, KvCacheDtype.NVFP4, 4, 96, s, **kwargs)
+        except error[0] as err:
+            assert error[1] in str(err), (kwargs, blocks, err)
+        else:
+            raise AssertionError(("accepted", kwargs, blocks))
+    assert STUB.stub_launch_count() == launches
+    c.release(gpu)
+    gpu.destroy_stream(s)
+print("CHECK reduce args ok")
+'''
+
+
+def test_reduce_kv_blocks_needs_heads_for_hnd_and_names_an_out_of_range_block_first(stub_env):
+    """CudaBackend.reduce_kv_blocks on an HND nvfp4 pool: with heads it equals HostBackend's
+    sums; without heads it raises ValueError naming it (no silent one-head sums); a block
+    past the pool raises IndexError naming that block before any chunk-index limit, in both
+    layouts; none of these launches anything."""
+    assert "CHECK reduce args ok" in run_on_stub(stub_env, REDUCE_ARGS_BODY, timeout=120)

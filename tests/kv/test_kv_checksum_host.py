@@ -113,7 +113,8 @@ def test_checksum_geometry_is_checked_before_any_launch():
 def test_hnd_blocks_go_to_the_checksum_kernel_as_their_head_chunks():
     """kv_kernels.checksum_chunks: an HND block of a grouped format is handed over as its
     head chunks (each an NHD block of one head), chunk h of block b at b * stride + h *
-    chunk; NHD, one head and bf16 / fp8 keep their blocks; bad geometry is refused naming it."""
+    chunk; NHD, one head and bf16 / fp8 keep their blocks (any head_dim); bad geometry is
+    refused naming it."""
     from pagedkv.core.layout import SideLayout
     from pagedkv.driver.kv_kernels import checksum_chunks
 
@@ -128,12 +129,24 @@ def test_hnd_blocks_go_to_the_checksum_kernel_as_their_head_chunks():
         fmt, layout, heads = args
         got, stride, row = checksum_chunks(blocks, fmt, 16, 128, 4 * chunk, layout, heads)
         assert (got.tolist(), stride, row) == ([2, 0], 4 * chunk, 128), args
+    # blocks that are not split take any head_dim: bf16 / fp8 heads of 8 or 72 values, NHD and HND
+    for fmt in (KvCacheDtype.BF16, KvCacheDtype.FP8):
+        for layout in ("NHD", "HND"):
+            for heads, row in ((2, 16), (8, 576)):
+                got, stride, got_row = checksum_chunks(blocks, fmt, 4, row, 640, layout, heads)
+                assert (got.tolist(), stride, got_row) == ([2, 0], 640, row), (fmt, layout, heads)
     with pytest.raises(ValueError, match="layout must be one of NHD, HND, got 'nhd'"):
         checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "nhd", 4)
     with pytest.raises(ValueError, match="heads must split 128 values a token into heads of a multiple of 16, got 3"):
         checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "HND", 3)
     with pytest.raises(ValueError, match="heads"):
         checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "HND", 0)
+    # heads None: NHD does not need it, HND does (its chunks cannot be placed without it)
+    got, stride, row = checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk, "NHD", None)
+    assert (got.tolist(), stride, row) == ([2, 0], 4 * chunk, 128)
+    for fmt in (nvfp4, KvCacheDtype.BF16):
+        with pytest.raises(ValueError, match="heads must be given for layout HND .*got None"):
+            checksum_chunks(blocks, fmt, 16, 128, 4 * chunk, "HND", None)
     with pytest.raises(ValueError, match="an HND block stride of 1160 bytes is not a whole number of 288-byte head chunks"):
         checksum_chunks(blocks, nvfp4, 16, 128, 4 * chunk + 8, "HND", 4)
     with pytest.raises(ValueError, match="head chunk index 2147483651 is above the kernels' limit 2147483647"):
@@ -141,8 +154,9 @@ def test_hnd_blocks_go_to_the_checksum_kernel_as_their_head_chunks():
 
 
 class DeviceReducing(HostBackend):
-    """A HostBackend with the optional `reduce_kv_blocks` (here the host decode of the one
-    side), recording each call; copy_d2h calls are recorded too."""
+    """A HostBackend with the optional `reduce_kv_blocks` in its original NHD-only form
+    (seven positional arguments, no layout / heads; here the host decode of the one side),
+    recording each call; copy_d2h calls are recorded too."""
 
     def __init__(self):
         super().__init__(capacity_bytes=1 << 26)
@@ -152,17 +166,30 @@ class DeviceReducing(HostBackend):
         self.calls.append("copy_d2h")
         super().copy_d2h(src, dst)
 
-    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream, layout, heads):
-        from pagedkv.codecs import decode
+    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream):
+        return self._reduce(regions, region, blocks, fmt, block_size, row_elements, "NHD", 1)
 
-        assert (layout, heads) == ("NHD", 2)
+    def _reduce(self, regions, region, blocks, fmt, block_size, row_elements, layout, heads):
+        from pagedkv.codecs import decode
         from pagedkv.core.dtype import side_bytes
+        from pagedkv.core.layout import SideLayout
 
         self.calls.append(("reduce_kv", region, tuple(int(b) for b in blocks), fmt.value, block_size, row_elements))
         nbytes = side_bytes(fmt, block_size * row_elements)
-        values = [decode(self.view(int(regions.bases[region]) + int(b) * int(regions.strides[region]), nbytes),
-                         fmt, block_size, 1, row_elements, unrotate=False) for b in blocks]
+        geometry = SideLayout(fmt, block_size, heads, row_elements // heads, layout)
+        values = [decode(geometry.to_nhd(self.view(int(regions.bases[region]) + int(b) * int(regions.strides[region]),
+                                                   nbytes)),
+                         fmt, block_size, heads, row_elements // heads, unrotate=False) for b in blocks]
         return float_stats(np.concatenate([np.zeros(0, np.float32)] + [v.ravel() for v in values]))
+
+
+class HndDeviceReducing(DeviceReducing):
+    """DeviceReducing whose `reduce_kv_blocks` takes the `layout=` / `heads=` keywords an HND
+    cache passes, recorded with each call."""
+
+    def reduce_kv_blocks(self, regions, region, blocks, fmt, block_size, row_elements, stream, *, layout, heads):
+        self.calls.append(("placement", layout, heads))
+        return self._reduce(regions, region, blocks, fmt, block_size, row_elements, layout, heads)
 
 
 def test_diagnostics_hand_every_side_to_reduce_kv_blocks():
@@ -202,3 +229,37 @@ def test_diagnostics_hand_every_side_to_reduce_kv_blocks():
     assert got == want and len(got) == 2 * 2 * 2 + 1
     cache.release(gpu)
     twin.release(plain)
+
+
+def test_an_hnd_cache_hands_layout_and_heads_to_reduce_kv_blocks():
+    """An NHD cache calls `reduce_kv_blocks` with its seven positional arguments only (an
+    NHD-only backend keeps working: the test above); an HND cache adds layout="HND" and the
+    layer's heads, whose sums equal HostBackend's; a backend whose method lacks the keywords
+    gets TypeError on an HND cache instead of NHD sums of HND blocks."""
+    from structlog.testing import capture_logs
+
+    cfg = KvCacheConfig(block_size=4, num_kv_heads=3, head_dim=16, num_layers=2, dtype="nvfp4",
+                        layer_dtypes=("nvfp4", "turbo3"), layer_dims=((3, 16), (2, 32)), layout="HND")
+    rng = np.random.default_rng(5)
+    rows = {layer: [rng.normal(size=(8, *cfg.dims_for_layer(layer))).astype(np.float32) for _ in "kv"] for layer in (0, 1)}
+    for layer in rows:
+        rows[layer][0][:, 0] *= 50.0   # head 0's scales differ from the others'
+
+    def events(gpu):
+        cache = PagedKvCache(cfg, 2, gpu)
+        cache.alloc_blocks(2)
+        for layer, (k, v) in rows.items():
+            cache.write_tokens(layer, np.arange(8, dtype=np.int64), k, v, gpu, 0)
+        try:
+            with capture_logs() as logs:
+                cache.debug_kv_checksum_per_layer([1, 0], 1, gpu, 0, "t")
+        finally:
+            cache.release(gpu)
+        return logs
+
+    gpu = HndDeviceReducing()
+    got = events(gpu)
+    assert [c for c in gpu.calls if c[0] == "placement"] == [("placement", "HND", 3)] * 4 + [("placement", "HND", 2)] * 4
+    assert got == events(HostBackend(1 << 26)) and len(got) == 2 * 2 * 2
+    with pytest.raises(TypeError, match="layout"):
+        events(DeviceReducing())
