@@ -12,8 +12,11 @@ Kept arrays (rows past n and entries past a row's length are always -1 / 0):
 - `lens[row]`: its held block count; `dropped[row]`: blocks the window released.
 Token counts and step starts stay on the sequence records (the per-token hot path writes
 no array); exports gather them, one attribute read per row. The whole batch's gather is kept
-(`gathered`) until the owner reports a change (`stale()`, or any of the row calls below), so
-one step's `slot_mapping`, `page_table` and `seq_lens` gather once between them.
+(`starts`, `counts`, valid while `gathered`) until the owner reports a change (`stale()`, or
+a row call below that changes counts), so one step's `slot_mapping`, `page_table` and
+`seq_lens` gather once between them; a row added or removed updates the kept gather in
+place, and a decode step that gave every row one token (`decoded`) shifts it in one
+vectorised step, so a serving step with arrivals and finishes gathers nothing.
 
 Dirty rows since the last device upload of the batch's block table are kept as one
 contiguous range `[lo, hi)`, so that upload copies only that range when its width is
@@ -54,7 +57,7 @@ class KeptBatch:
     `block_appended`/`rewrite` after it changed a record's blocks or `dropped`."""
 
     __slots__ = ("seqs", "ids", "table", "lens", "dropped", "windowed", "arange", "lo", "hi", "dev_width", "dev_rows",
-                 "tail", "pt_indices", "pt_lens", "pt_ptr", "pt_from", "pt_grown", "gathered")
+                 "tail", "pt_indices", "pt_lens", "pt_ptr", "pt_from", "pt_grown", "gathered", "starts", "counts")
 
     def __init__(self) -> None:
         self.seqs: list[Any] = []  # row -> record
@@ -73,7 +76,9 @@ class KeptBatch:
         self.pt_ptr = np.zeros(1, dtype=np.int32)  # the indptr then
         self.pt_from = _NO_ROWS  # the first row changed other than by appended blocks since
         self.pt_grown = 0  # blocks appended to rows since (an upper bound on the rows that grew)
-        self.gathered: tuple[np.ndarray, np.ndarray] | None = None  # every row's (step starts, num_tokens)
+        self.gathered = False  # True while starts[:n] / counts[:n] hold every row's step start / num_tokens
+        self.starts = np.zeros(16, dtype=np.int64)
+        self.counts = np.zeros(16, dtype=np.int64)
 
     # -- keeping -------------------------------------------------------------------------
 
@@ -94,26 +99,38 @@ class KeptBatch:
             self.lens = np.concatenate([self.lens, np.zeros(new_rows - cap_rows, dtype=np.int32)])
             self.dropped = np.concatenate([self.dropped, np.zeros(new_rows - cap_rows, dtype=np.int64)])
             self.tail = np.concatenate([self.tail, np.full(new_rows - cap_rows, -1, dtype=np.int64)])
+            self.starts = np.concatenate([self.starts, np.zeros(new_rows - cap_rows, dtype=np.int64)])
+            self.counts = np.concatenate([self.counts, np.zeros(new_rows - cap_rows, dtype=np.int64)])
         if new_width > cap_width:
             self.dev_width = -1  # (the device layout follows the export width, not this capacity)
 
     def stale(self) -> None:
         """A record's `num_tokens` or `step_start` changed: the kept gather is dropped."""
-        self.gathered = None
+        self.gathered = False
+
+    def decoded(self, kept: bool) -> None:
+        """Every row's record got exactly one token (step start = the old count, count + 1);
+        `kept`: the gather was kept when that step began (else it stays dropped)."""
+        if kept:
+            n = len(self.seqs)
+            counts = self.counts[:n]
+            self.starts[:n] = counts
+            counts += 1
+        self.gathered = kept
 
     def _gather(self, seqs: list[Any], rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """int64 (step starts, num_tokens) of `seqs`; of the whole batch (`rows` None) kept
-        until `stale()` (never changed in place)."""
+        """int64 (step starts, num_tokens) of `seqs`; of the whole batch (`rows` None) the
+        kept arrays' views (valid until the next change: callers read, never keep them)."""
         if rows is None:
-            kept = self.gathered
-            if kept is not None:
-                return kept
+            n = len(seqs)
+            if not self.gathered:
+                self.starts[:n] = np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n)
+                self.counts[:n] = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
+                self.gathered = True
+            return self.starts[:n], self.counts[:n]
         n = len(seqs)
-        pair = (np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n),
+        return (np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n),
                 np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n))
-        if rows is None:
-            self.gathered = pair
-        return pair
 
     def _touch(self, row: int) -> None:
         if row < self.lo:
@@ -122,11 +139,12 @@ class KeptBatch:
             self.hi = row + 1
 
     def add(self, seq_id: Hashable, seq: Any) -> None:
-        """Give `seq` the next row and write its blocks there."""
-        self.gathered = None
+        """Give `seq` the next row and write its blocks (and its counts, into a kept gather) there."""
         row = len(self.seqs)
         blocks = seq.blocks
         self._reserve(row + 1, len(blocks))
+        if self.gathered:
+            self.starts[row], self.counts[row] = seq.step_start, seq.num_tokens
         self.seqs.append(seq)
         self.ids.append(seq_id)
         seq.row = row
@@ -141,8 +159,7 @@ class KeptBatch:
             self.pt_from = row
 
     def remove(self, seq: Any) -> None:
-        """Drop `seq`'s row; the last row's sequence moves into it."""
-        self.gathered = None
+        """Drop `seq`'s row; the last row's sequence moves into it (its counts too, in a kept gather)."""
         row, last = seq.row, len(self.seqs) - 1
         table, lens = self.table, self.lens
         if row != last:
@@ -151,6 +168,8 @@ class KeptBatch:
             table[row, :width] = table[last, :width]
             lens[row], self.dropped[row] = lens[last], self.dropped[last]
             self.tail[row] = self.tail[last]
+            if self.gathered:
+                self.starts[row], self.counts[row] = self.starts[last], self.counts[last]
             self.seqs[row], self.ids[row] = moved, self.ids[last]
             moved.row = row
             self._touch(row)
@@ -167,7 +186,7 @@ class KeptBatch:
 
     def block_appended(self, seq: Any) -> None:
         """`seq.blocks` grew by one block at its end (its token counts may change too)."""
-        self.gathered = None
+        self.gathered = False
         row, blocks = seq.row, seq.blocks
         k = len(blocks)  # (the kept length is k - 1: the records and the rows agree)
         table = self.table
@@ -185,7 +204,7 @@ class KeptBatch:
     def blocks_appended(self, seqs: list[Any]) -> None:
         """`block_appended` of each of `seqs` (distinct records, each grown by one block at
         its end), in one call."""
-        self.gathered = None
+        self.gathered = False
         width = max(len(seq.blocks) for seq in seqs)
         if width > self.table.shape[1]:
             self._reserve(len(self.seqs), width)
@@ -205,7 +224,7 @@ class KeptBatch:
 
     def rewrite(self, seq: Any) -> None:
         """Write `seq`'s row again from its record (after any change of its blocks or `dropped`)."""
-        self.gathered = None
+        self.gathered = False
         row, blocks = seq.row, seq.blocks
         n = len(blocks)
         self._reserve(len(self.seqs), n)
@@ -247,6 +266,11 @@ class KeptBatch:
                 raise KvCacheError(f"row {row} of the kept block table differs from its sequence's blocks")
             if int(self.tail[row]) != (seq.blocks[-1] if k else -1):
                 raise KvCacheError(f"row {row}'s kept last block is {int(self.tail[row])}, not its sequence's")
+            if self.gathered and (int(self.starts[row]), int(self.counts[row])) != (seq.step_start, seq.num_tokens):
+                raise KvCacheError(
+                    f"row {row}'s kept step start and token count are {int(self.starts[row])}, "
+                    f"{int(self.counts[row])}, not its sequence's {seq.step_start}, {seq.num_tokens}"
+                )
         if (self.table[n:] != -1).any() or self.lens[n:].any() or (self.tail[n:] != -1).any():
             raise KvCacheError("the kept block table holds blocks past its last row")
 

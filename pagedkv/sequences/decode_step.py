@@ -50,7 +50,9 @@ class DecodeSteps:
         if len(tokens) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
         mark = self._decode_mark = self._decode_mark + 1
-        self._batch.stale()  # (the exports' kept gather of token counts)
+        batch = self._batch
+        whole = batch.gathered and len(seq_ids) == len(batch.seqs)  # every row once (no id repeats)
+        batch.stale()  # (the exports' kept gather of token counts; `decoded` below keeps it)
         get = self._seqs.get
         starts: list[int] = []  # the step starts, before this call, of the records counted in the pass
         later: list[tuple[Any, int]] = []  # (record, token) to grow after the pass
@@ -78,6 +80,7 @@ class DecodeSteps:
             except BaseException:
                 self._undo_counted(seq_ids, starts, later)
                 raise
+        batch.decoded(whole)
 
     def _undo_counted(self, seq_ids: Sequence[Hashable], starts: list[int], later: list[tuple[Any, int]]) -> None:
         """Take back the tokens the pass counted: the records of the first `len(starts) +

@@ -253,7 +253,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         (ValueError naming it, nothing changed). When those blocks are offered to the prefix
         cache their keys (and so, under "vllm-sha256-cbor", their hashes) carry them, after
         the keys given before. `truncate` cuts ranges past the new end."""
-        self._batch.gathered = None  # the exports' kept gather of token counts (KeptBatch.stale, inline)
+        self._batch.gathered = False  # the exports' kept gather of token counts (KeptBatch.stale, inline)
         if extra_keys is not None:
             self._append_keyed(seq_id, n_tokens, token_ids, lookahead, extra_keys)
             return
