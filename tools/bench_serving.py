@@ -23,16 +23,15 @@ measured that way on bcc1fa4 on the 2-core helper machine, which hold for that m
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import random
 import sys
 import time
 
-import structlog
 
 import pagedkv
 from floors import ceiling, floor
+from timing import warnings_only
 from pagedkv import PagedKvCache, PrefixCache, SequenceTable
 
 BLOCK_SIZE = 16
@@ -275,9 +274,10 @@ def _insert_call(lib):
     return call, check
 
 
-def _prefix_floor(label: str, make, calls: int, reference_us: float, old) -> None:
-    """Best single call of ours, and of bcc1fa4's alternating call for call when `old` (its
-    package) is given, else against `reference_us`; prints both and checks the 1.3x floor."""
+def _prefix_floor(label: str, make, calls: int, reference_us: float | None, old, commit: str = REFERENCE_COMMIT,
+                  bound: float = 1.3) -> None:
+    """Best single call of ours, and of `commit`'s alternating call for call when `old` (its
+    package) is given, else against `reference_us`; prints both and checks the `bound` floor."""
     ours, check = make(pagedkv)
     theirs = make(old)[0] if old is not None else None
     best = best_old = float("inf")
@@ -291,8 +291,8 @@ def _prefix_floor(label: str, make, calls: int, reference_us: float, old) -> Non
         old_us, how = reference_us, "this file's figure, measured on that machine"
     else:
         old_us, how = best_old * 1e6, "measured now, alternating call for call"
-    print(f"{label} {us:8.1f} us/call   {REFERENCE_COMMIT} {old_us:8.1f} us/call ({how})")
-    floor(f"{label.strip()} speedup over {REFERENCE_COMMIT}", old_us / us, 1.3)
+    print(f"{label} {us:8.1f} us/call   {commit} {old_us:8.1f} us/call ({how})")
+    floor(f"{label.strip()} speedup over {commit}", old_us / us, bound)
 
 
 def run(args) -> None:
@@ -300,17 +300,8 @@ def run(args) -> None:
     short mix with fewer repetitions."""
     quick = getattr(args, "quick", False)
     repeats = 2 if quick else 7
-    # the reference checkout logs through plain structlog (info on stdout unless configured):
-    # keep warnings and up while measuring, then put the process's configuration back
-    was_configured, saved = structlog.is_configured(), structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    try:
+    with warnings_only():
         _mix(repeats, 32 if quick else STEPS, 16 if quick else WARMUP_STEPS)
         old = _reference_package()
         _prefix_floor("match + free_blocks, cached 4096-token prompt:", _match_free_call, repeats * (10 if quick else 100), REFERENCE_MATCH_FREE_US, old)
         _prefix_floor("first-time insert, 4096-token prompt:         ", _insert_call, repeats * (5 if quick else 50), REFERENCE_INSERT_US, old)
-    finally:
-        if was_configured:
-            structlog.configure(**saved)
-        else:
-            structlog.reset_defaults()

@@ -3,7 +3,11 @@ several sections share."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+
+import structlog
 
 
 def best_of(fn, repeats: int) -> float:
@@ -26,3 +30,18 @@ def alloc_free_pairs(owner, pairs: int):
             free(alloc())
 
     return run
+
+
+@contextlib.contextmanager
+def warnings_only():
+    """structlog at warnings and up while measuring (a reference checkout logs info on
+    stdout unless configured), the process's configuration put back after."""
+    was_configured, saved = structlog.is_configured(), structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        yield
+    finally:
+        if was_configured:
+            structlog.configure(**saved)
+        else:
+            structlog.reset_defaults()

@@ -590,3 +590,30 @@ def test_serving_bench_measures_a_reference_checkout_in_the_same_process(capsys,
     monkeypatch.setenv("PAGEDKV_BENCH_REFERENCE", os.path.join(root, "no-such-checkout"))
     with pytest.raises(SystemExit, match="holds no pagedkv package"):
         bench_serving._reference_package()
+
+
+def test_engine_bench_section_runs_beside_a_reference_checkout(capsys, monkeypatch):
+    """tools/bench_engine.py at its quick size beside PAGEDKV_STEP_REFERENCE (here this
+    checkout itself, imported under another name): every phase and bound prints, and the
+    bench put the logging configuration back; no timing is asserted."""
+    import argparse
+    import os
+
+    import structlog
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
+    monkeypatch.syspath_prepend(os.path.join(root, "tools"))
+    import bench_engine
+
+    monkeypatch.setenv("PAGEDKV_STEP_REFERENCE", root)
+    monkeypatch.setitem(sys.modules, "pagedkv_step_reference", None)  # removed again after the test
+    was_configured = structlog.is_configured()
+    bench_engine.run(argparse.Namespace(quick=True))
+    assert structlog.is_configured() == was_configured
+    out = capsys.readouterr().out
+    for phase in bench_engine.PHASES:
+        assert f"  {phase:<28} " in out
+    assert "step: bookkeeping + exports (ours) / bookkeeping alone (main)" in out
+    assert "bookkeeping speedup over main" in out
+    assert "first-time caching, insert of a 4096-token prompt:" in out and "main" in out
+    assert sys.modules["pagedkv_step_reference"].SequenceTable is not SequenceTable
