@@ -121,8 +121,12 @@ class PullMode:
         the block lists as in `send`, a pair of ranks with nothing to move."""
         info, body, src, dst, notify = self.checked_pull(peer, ticket, dst_blocks, notify)
         local, remote = self._descriptors(info, info.pull_plans, dst, src)
-        request = self._post_read((local, remote), info.name, self._mem_type, info.mem_type)
-        scratch = self._leases.take_scratch()
+        scratch = self._leases.take_scratch()  # before the read: with none free, nothing is posted
+        try:
+            request = self._post_read((local, remote), info.name, self._mem_type, info.mem_type)
+        except BaseException:
+            self._leases.give_scratch(scratch)
+            raise
         word = (np.array([[self._leases.address() + 8 * scratch, 8, 0]], dtype=np.uint64),
                 np.array([[int(info.info["leases"]) + 8 * body["slot"], 8, 0]], dtype=np.uint64))
         _log.debug("kv_pull_posted", name=self.name, peer=info.name, lease=body["lease"], blocks=len(src),

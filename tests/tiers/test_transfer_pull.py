@@ -15,7 +15,7 @@ import pytest
 
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 from pagedkv.tiers.leases import LEASE_SLOTS, parse_ticket
-from pagedkv.tiers.transfer import KvTransfer, LeaseExpired
+from pagedkv.tiers.transfer import KvTransfer, LeaseExpired, TransferError
 
 from shared_helpers import nixl_reason  # noqa: E402
 
@@ -146,6 +146,42 @@ def test_a_late_read_fails_cleanly_on_the_lease_word(trio):
     assert transfer._leases.words[LEASE_SLOTS:].sum() == 0  # the scratch word went back
     cache.free_blocks(dst)
     sender_clock.now = receiver_clock.now = 1000.0
+
+
+def test_a_pull_with_no_scratch_word_free_posts_no_read(trio, monkeypatch):
+    # every lease-check word in use: refused before the read is posted; a refused post gives the word back
+    (p, d0, _), _, _ = trio
+    gpu, cache, transfer = d0
+    blocks = filled(p[0], p[1], 4)
+    ticket = p[2].export(blocks, ttl=5)
+    p[1].free_blocks(blocks)
+    dst = cache.alloc_blocks(3)
+    leases, posted = transfer._leases, []
+    real_post = transfer._post_read
+    monkeypatch.setattr(transfer, "_post_read", lambda *args: posted.append(args) or real_post(*args))
+    taken = [leases.take_scratch() for _ in range(len(leases._free_scratch))]
+    with pytest.raises(TransferError, match=f"{LEASE_SLOTS} pulls are already in flight"):
+        transfer.pull("pull-p", ticket, dst)
+    assert posted == []
+    for index in taken:
+        leases.give_scratch(index)
+    free = len(leases._free_scratch)
+
+    def refused(*args):
+        raise TransferError("refused by the test")
+
+    monkeypatch.setattr(transfer, "_post_read", refused)
+    with pytest.raises(TransferError, match="refused by the test"):
+        transfer.pull("pull-p", ticket, dst)
+    assert len(leases._free_scratch) == free
+    monkeypatch.setattr(transfer, "_post_read", real_post)
+    transfer.pull("pull-p", ticket, dst).wait(WAIT)  # the lease still open: the read goes through
+    assert len(leases._free_scratch) == free
+    deadline = time.monotonic() + WAIT
+    while p[2].open_leases() and time.monotonic() < deadline:
+        p[2].notifications()  # the completion frees the sender's blocks
+    assert not p[2].open_leases() and [p[1].ref_count(b) for b in blocks] == [0, 0, 0]
+    cache.free_blocks(dst)
 
 
 def test_export_and_pull_refusals_change_nothing(trio):
