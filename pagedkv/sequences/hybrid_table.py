@@ -437,34 +437,61 @@ class HybridSequenceTable(SequenceQueries):
             elif n_tokens != len(token_ids):
                 raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
         n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
-        old = seq.num_tokens
-        total = old + n_tokens
         undo = _Undo(self._groups)
-        plans = []
         try:
-            for g in self._attn:
-                held, bs = seq.held[g], self._bs[g]
-                first, end = self._span(g, total)
-                have = held.dropped + len(held.blocks)
-                last = have - 1
-                copy = int(bool(n_tokens and held.maybe_shared and old % bs and last >= first
-                                and self._groups[g].ref_count(held.blocks[-1]) > 1))
-                start = max(have, first)
-                fresh = undo.alloc(g, max(end - start, 0) + copy)
-                self._init_blocks(g, fresh[copy:])
-                plans.append((g, first, start, fresh, copy))
-            new_ckpts = []
-            if self._prefix is not None:
-                for g in self._states:
-                    pairs = self._alloc_checkpoints(undo, g, self._checkpoints_in(g, old, total, prompt=False))
-                    if pairs:
-                        new_ckpts.append((g, pairs))
-            for g, first, start, fresh, copy in plans:
-                if copy:
-                    self._copy(g, seq.held[g].blocks[-1], fresh[0])
+            plan = self._plan_step(seq, n_tokens, undo)
         except BaseException:
             undo.undo()
             raise
+        self._commit_step(seq, plan, n_tokens, token_ids)
+
+    def _plan_step(self, seq: _HSeq, n_tokens: int, undo: _Undo, dropping: dict | None = None) -> tuple:
+        """What the step of `n_tokens` needs, taken (recorded in `undo`; the caller undoes it
+        when this raises): each attention group's new blocks (initialised) and the copy of a
+        shared last block (performed or left pending), the checkpoint slots. Nothing of the
+        sequence changes. `dropping` (a batched step's): `(group, block) ->` the references
+        the step's earlier planned copies will drop, so a shared block is copied as the
+        per-call appends would decide after those copies."""
+        old = seq.num_tokens
+        total = old + n_tokens
+        plans = []
+        for g in self._attn:
+            held, bs = seq.held[g], self._bs[g]
+            first, end = self._span(g, total)
+            have = held.dropped + len(held.blocks)
+            last = have - 1
+            copy = 0
+            if n_tokens and held.maybe_shared and old % bs and last >= first:
+                shared = held.blocks[-1]
+                refs = self._groups[g].ref_count(shared)
+                if dropping is None:
+                    copy = int(refs > 1)
+                else:
+                    copy = int(refs - dropping.get((g, shared), 0) > 1)
+                    if copy:
+                        dropping[(g, shared)] = dropping.get((g, shared), 0) + 1
+            start = max(have, first)
+            fresh = undo.alloc(g, max(end - start, 0) + copy)
+            self._init_blocks(g, fresh[copy:])
+            plans.append((g, first, start, fresh, copy))
+        new_ckpts = []
+        if self._prefix is not None:
+            for g in self._states:
+                pairs = self._alloc_checkpoints(undo, g, self._checkpoints_in(g, old, total, prompt=False))
+                if pairs:
+                    new_ckpts.append((g, pairs))
+        for g, first, start, fresh, copy in plans:
+            if copy:
+                self._copy(g, seq.held[g].blocks[-1], fresh[0])
+        return plans, new_ckpts
+
+    def _commit_step(self, seq: _HSeq, plan: tuple, n_tokens: int, token_ids: Sequence[int] | None) -> None:
+        """Apply a planned step to the sequence (nothing here fails): its tokens, each group's
+        new and released blocks (released ones offered to the prefix cache first), its
+        checkpoints, counts and fast-path room."""
+        plans, new_ckpts = plan
+        old = seq.num_tokens
+        total = old + n_tokens
         if token_ids is None and n_tokens:
             seq.tokens_known = False
         elif seq.tokens_known and n_tokens:
