@@ -30,6 +30,8 @@ matched sliding blocks before its hit, an `append` of several tokens the release
 from `old + 1 - window`, until the sequence's next step (`step_blocks` lists every block a
 step may read or write; `blocks` and `block_table` only those the window holds). A decode
 step of one token reads exactly its window, so the bound holds between steps.
+`append_decode(seq_ids, token_ids)` makes a whole decode step in one call (as the per-call
+appends would, but for the order of a sliding group's releases: its docstring).
 
 All-or-nothing like `SequenceTable`: on any error every count is as it was (cached entries
 evicted to make room stay evicted). Without a backend, copies are left to the engine:
@@ -403,7 +405,9 @@ class HybridSequenceTable(SequenceQueries):
         ones come back (it may evict a cached block, or raise KvCacheExhausted, where the
         per-call appends would have reused a released one), and the events of evictions for
         the step's allocations come before those of its offers. Full attention and state
-        groups get the same ids.
+        groups get the same ids, as long as no sliding group had to evict for the step (an
+        eviction the per-call appends did not need leaves the prefix cache, and so later
+        matches, different).
 
         All or nothing. Refused before anything changes: ValueError when the two lengths
         differ or an id repeats; KeyError for an unknown id; TypeError/ValueError naming a bad

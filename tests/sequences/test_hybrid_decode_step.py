@@ -335,3 +335,41 @@ def test_a_window_release_before_a_later_allocation_gives_other_ids_but_the_same
     assert old not in two.blocks("b", SLIDING)  # the batched step: "b" took another free block
     assert one.blocks("b", FULL) == two.blocks("b", FULL)  # no release in the full group: the same ids
     assert snapshot(one, sliding_map(one, two)) == snapshot(two)
+
+
+def test_a_window_release_is_not_yet_free_for_a_later_sequence_of_the_step():
+    """The documented cost of that order: with the sliding pool one block short, the per-call
+    appends get by on "a"'s released block; the batched step needs its new blocks first."""
+    tables = [world(blocks=(8, 5), prefix=False)[0] for _ in range(2)]
+    for table in tables:
+        table.add("a", [1, 2, 3, 4, 5, 6])  # sliding blocks 0..2; the next token takes one, releases one
+        table.add("b", [7, 8])  # the next token takes one
+        assert table._cache.num_free_blocks(group=SLIDING) == 1
+    one, two = tables
+    for seq_id, token in (("a", 9), ("b", 9)):
+        one.append(seq_id, 1, [token])
+    assert one._cache.num_free_blocks(group=SLIDING) == 0
+    refused(two, ["a", "b"], [9, 9], KvCacheExhausted, "asked for 1 block")
+    two.append_decode(["a"], [9])  # one at a time it fits: "b" then takes the block "a" released
+    two.append_decode(["b"], [9])
+    assert snapshot(one, sliding_map(one, two)) == snapshot(two)
+
+
+def test_the_step_reports_its_evictions_before_the_offers_of_its_releases():
+    runs = []
+    for batched in (False, True):
+        table, events = world(blocks=(7, 64))
+        table.add("x", [1, 2, 3, 4])
+        table.free("x")  # its two full blocks cached: evictable
+        table.add("a", [5, 6, 7, 8, 9, 10])  # the next token releases sliding block 0, written: offered
+        table.add("b", [11, 12])  # the next token needs the full pool's last block: an eviction
+        assert table._cache.num_free_blocks(group=FULL) == 1
+        del events[:]
+        if batched:
+            table.append_decode(["a", "b"], [1, 2])
+        else:
+            table.append("a", 1, [1])
+            table.append("b", 1, [2])
+        runs.append([(e.kind, e.group) for e in events])
+        table.check_invariants()
+    assert runs == [[("stored", SLIDING), ("removed", FULL)], [("removed", FULL), ("stored", SLIDING)]]
