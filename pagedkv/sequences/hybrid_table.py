@@ -30,6 +30,8 @@ matched sliding blocks before its hit, an `append` of several tokens the release
 from `old + 1 - window`, until the sequence's next step (`step_blocks` lists every block a
 step may read or write; `blocks` and `block_table` only those the window holds). A decode
 step of one token reads exactly its window, so the bound holds between steps.
+`append_decode(seq_ids, token_ids)` makes a whole decode step in one call (as the per-call
+appends would, but for the order of a sliding group's releases: its docstring).
 
 All-or-nothing like `SequenceTable`: on any error every count is as it was (cached entries
 evicted to make room stay evicted). Without a backend, copies are left to the engine:
@@ -47,7 +49,7 @@ from ..backends.protocol import GpuBackend
 from ..cache.hybrid_cache import HybridKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import MAX_TOKEN_ID, non_negative_int
+from ..core.validate import MAX_TOKEN_ID, checked_token_ids, non_negative_int
 from ..core.validate import token_ids as valid_token_ids
 from ..errors import KvCacheError, KvCacheExhausted
 from ..groups.window import first_live_block, max_live_blocks, window_blocks_for_match
@@ -76,7 +78,7 @@ class _Held:
 
 class _HSeq:
     __slots__ = ("num_tokens", "tokens", "tokens_known", "adapter_id", "step_start", "held", "slots",
-                 "checkpoints", "step_checkpoints", "room", "helds", "keys")
+                 "checkpoints", "step_checkpoints", "room", "helds", "keys", "mark")
 
     def __init__(self, num_tokens: int, tokens: list[int], adapter_id: int, step_start: int):
         self.num_tokens, self.tokens, self.tokens_known = num_tokens, tokens, True
@@ -88,6 +90,7 @@ class _HSeq:
         self.room = 0  # the decode fast path may grow the sequence up to this many tokens
         self.helds: tuple[_Held, ...] = ()  # held.values(), for the fast path
         self.keys = None  # its BlockKeys at the prefix cache's unit (salt, extra keys), or None
+        self.mark = 0  # the latest append_decode call that counted this record (catches a repeated id)
 
 
 class _Undo:
@@ -141,6 +144,7 @@ class HybridSequenceTable(SequenceQueries):
         self._pending_refs: list[tuple[int, int]] = []
         self._exports = ExportBuffers(gpu, stream)
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
+        self._decode_mark = 0  # the latest append_decode call's mark
 
     def _deliver(self) -> None:
         if self._prefix is not None:
@@ -380,6 +384,91 @@ class HybridSequenceTable(SequenceQueries):
         self._append(seq_id, n_tokens, token_ids)
 
     @guarded
+    def append_decode(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> None:
+        """One decode step: sequence `seq_ids[i]` gets the one token `token_ids[i]`, for every
+        i, with the changes `append(seq_ids[i], 1, [token_ids[i]])` called for each i in order
+        would make in every group: the same blocks, exports (`slot_mapping` gives each its one
+        new slot per attention group), state slots, checkpoint slots (`step_checkpoints`;
+        skipped ones counted alike), prefix-cache events and pending copies, except where a
+        sliding group releases blocks (below).
+
+        A sequence with room (`_room`: no block boundary, release, copy or checkpoint in any
+        group) only counts its token, in one pass; the others are planned after the pass in
+        order, each taking its new blocks, copies and checkpoint slots as its own `append`
+        would, and applied once the whole step has what it needs. So a sliding group's blocks
+        the step releases (out of the window, or an add step's branch-point blocks given up
+        at the first append) are offered to the prefix cache and freed after every new block
+        and slot of the step is taken, where the per-call appends free each sequence's before
+        the next allocates: when an earlier sequence of the step releases blocks of a sliding
+        group and a later one allocates there, that group's new block ids may differ (the
+        same counts and the same sharing), the step needs its new blocks before the released
+        ones come back (it may evict a cached block, or raise KvCacheExhausted, where the
+        per-call appends would have reused a released one), and the events of evictions for
+        the step's allocations come before those of its offers. Full attention and state
+        groups get the same ids, as long as no sliding group had to evict for the step (an
+        eviction the per-call appends did not need leaves the prefix cache, and so later
+        matches, different).
+
+        All or nothing. Refused before anything changes: ValueError when the two lengths
+        differ or an id repeats; KeyError for an unknown id; TypeError/ValueError naming a bad
+        token id (as `append`). KvCacheExhausted when a group's new blocks run out, and a
+        backend error while initialising or copying them, leave every sequence as it was and
+        the step's new blocks and slots freed; cached entries the prefix cache evicted to make
+        room stay evicted. A checkpoint no slot is left for is skipped, as in `append`."""
+        if type(seq_ids) is not list and type(seq_ids) is not tuple:
+            if seq_ids is None or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
+                raise TypeError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r:.60}")
+            seq_ids = list(seq_ids)
+        tokens = checked_token_ids(token_ids, "token_ids") if type(token_ids) is list else \
+            valid_token_ids(token_ids, "token_ids")
+        if len(tokens) != len(seq_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
+        mark = self._decode_mark = self._decode_mark + 1
+        get = self._seqs.get
+        records: list[_HSeq] = []
+        later: list[tuple[_HSeq, int]] = []  # (record, token) for the full path, in order
+        for seq_id, token in zip(seq_ids, tokens):
+            seq = get(seq_id)
+            if seq is None:
+                raise KeyError(f"unknown sequence {seq_id!r}")
+            if seq.mark == mark:
+                raise ValueError(f"sequence {seq_id!r} appears twice in seq_ids")
+            seq.mark = mark
+            records.append(seq)
+            if seq.num_tokens >= seq.room:
+                later.append((seq, token))
+        plans = self._plan_decode(later) if later else ()
+        for seq, token in zip(records, tokens):  # the fast path: counts only (the planned ones have no room)
+            old = seq.num_tokens
+            if old < seq.room:
+                seq.num_tokens = total = old + 1
+                seq.step_start = old
+                for held in seq.helds:
+                    held.num_tokens, held.step_start = total, old
+                if seq.tokens_known:
+                    seq.tokens.append(token)
+        for (seq, token), plan in zip(later, plans):  # nothing below fails
+            self._commit_step(seq, plan, 1, [token])
+
+    def _plan_decode(self, later: list[tuple[_HSeq, int]]) -> list[tuple]:
+        """`_plan_step` of one token for each record of `later`, in order, all or nothing:
+        on any error every block and slot taken is freed (last first), the pending copies
+        and the skipped-checkpoint counts are as they were."""
+        undo = _Undo(self._groups)
+        dropping: dict[tuple[int, int], int] = {}
+        pending, skipped = len(self._pending), dict(self._skipped)
+        plans = []
+        try:
+            for seq, _token in later:
+                plans.append(self._plan_step(seq, 1, undo, dropping))
+        except BaseException:
+            undo.undo()
+            del self._pending[pending:]
+            self._skipped.update(skipped)
+            raise
+        return plans
+
+    @guarded
     def _append_keyed(self, seq_id: Hashable, n_tokens, token_ids, extra_keys) -> None:
         """`append` with extra keys for the step's tokens: checked first, attached after."""
         seq = self._get(seq_id)
@@ -437,34 +526,61 @@ class HybridSequenceTable(SequenceQueries):
             elif n_tokens != len(token_ids):
                 raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
         n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
-        old = seq.num_tokens
-        total = old + n_tokens
         undo = _Undo(self._groups)
-        plans = []
         try:
-            for g in self._attn:
-                held, bs = seq.held[g], self._bs[g]
-                first, end = self._span(g, total)
-                have = held.dropped + len(held.blocks)
-                last = have - 1
-                copy = int(bool(n_tokens and held.maybe_shared and old % bs and last >= first
-                                and self._groups[g].ref_count(held.blocks[-1]) > 1))
-                start = max(have, first)
-                fresh = undo.alloc(g, max(end - start, 0) + copy)
-                self._init_blocks(g, fresh[copy:])
-                plans.append((g, first, start, fresh, copy))
-            new_ckpts = []
-            if self._prefix is not None:
-                for g in self._states:
-                    pairs = self._alloc_checkpoints(undo, g, self._checkpoints_in(g, old, total, prompt=False))
-                    if pairs:
-                        new_ckpts.append((g, pairs))
-            for g, first, start, fresh, copy in plans:
-                if copy:
-                    self._copy(g, seq.held[g].blocks[-1], fresh[0])
+            plan = self._plan_step(seq, n_tokens, undo)
         except BaseException:
             undo.undo()
             raise
+        self._commit_step(seq, plan, n_tokens, token_ids)
+
+    def _plan_step(self, seq: _HSeq, n_tokens: int, undo: _Undo, dropping: dict | None = None) -> tuple:
+        """What the step of `n_tokens` needs, taken (recorded in `undo`; the caller undoes it
+        when this raises): each attention group's new blocks (initialised) and the copy of a
+        shared last block (performed or left pending), the checkpoint slots. Nothing of the
+        sequence changes. `dropping` (a batched step's): `(group, block) ->` the references
+        the step's earlier planned copies will drop, so a shared block is copied as the
+        per-call appends would decide after those copies."""
+        old = seq.num_tokens
+        total = old + n_tokens
+        plans = []
+        for g in self._attn:
+            held, bs = seq.held[g], self._bs[g]
+            first, end = self._span(g, total)
+            have = held.dropped + len(held.blocks)
+            last = have - 1
+            copy = 0
+            if n_tokens and held.maybe_shared and old % bs and last >= first:
+                shared = held.blocks[-1]
+                refs = self._groups[g].ref_count(shared)
+                if dropping is None:
+                    copy = int(refs > 1)
+                else:
+                    copy = int(refs - dropping.get((g, shared), 0) > 1)
+                    if copy:
+                        dropping[(g, shared)] = dropping.get((g, shared), 0) + 1
+            start = max(have, first)
+            fresh = undo.alloc(g, max(end - start, 0) + copy)
+            self._init_blocks(g, fresh[copy:])
+            plans.append((g, first, start, fresh, copy))
+        new_ckpts = []
+        if self._prefix is not None:
+            for g in self._states:
+                pairs = self._alloc_checkpoints(undo, g, self._checkpoints_in(g, old, total, prompt=False))
+                if pairs:
+                    new_ckpts.append((g, pairs))
+        for g, first, start, fresh, copy in plans:
+            if copy:
+                self._copy(g, seq.held[g].blocks[-1], fresh[0])
+        return plans, new_ckpts
+
+    def _commit_step(self, seq: _HSeq, plan: tuple, n_tokens: int, token_ids: Sequence[int] | None) -> None:
+        """Apply a planned step to the sequence (nothing here fails): its tokens, each group's
+        new and released blocks (released ones offered to the prefix cache first), its
+        checkpoints, counts and fast-path room."""
+        plans, new_ckpts = plan
+        old = seq.num_tokens
+        total = old + n_tokens
         if token_ids is None and n_tokens:
             seq.tokens_known = False
         elif seq.tokens_known and n_tokens:
