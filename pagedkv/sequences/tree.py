@@ -221,9 +221,14 @@ class RadixTree:
 
     def clear(self) -> None:
         """Forget every node; the device ones' `block` becomes None (a reservation still
-        holding them sees they are gone). The tiering part resets its nodes' `lower`."""
+        holding them sees they are gone) and the roots and device nodes lose their children,
+        so a node something still holds (a sequence's matched prefix) keeps no other part of
+        the old tree alive. The tiering part resets its nodes' `lower`."""
         for node in self.by_block.values():
             node.block = None
+            node.children = {}
+        for root in self.roots.values():
+            root.children = {}
         self.roots.clear()
         self.by_block.clear()
 

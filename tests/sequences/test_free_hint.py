@@ -77,3 +77,31 @@ def test_a_fork_offers_the_shared_prefix_once():
     assert [allocator.ref_count(b) for b in chain] == [1] * 5  # the cache's own reference only
     prefix.check_invariants()
     table.check_invariants()
+
+
+def test_a_live_sequence_keeps_no_other_part_of_a_cleared_tree_alive():
+    table, prefix = world()
+    table.add("a", PROMPT)
+    table.free("a")
+    for i in range(6):  # other chains under the same root and under the matched prefix
+        table.add(("x", i), [100 + i] * 9)
+        table.free(("x", i))
+        table.add(("y", i), PROMPT[:8] + [300 + i] * 9)
+        table.free(("y", i))
+    assert table.add("long", PROMPT) == 16
+    held = table._seqs["long"].cached
+    prefix.clear()
+    seen, stack = set(), [held[0].parent, *held]
+    while stack:  # everything the sequence's nodes still reach, up and down
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(node.children.values())
+        if node.parent is not None:
+            stack.append(node.parent)
+    assert len(seen) == len(held) + 1  # its own chain and the old root
+    blocks = table.blocks("long")
+    table.free("long")
+    assert matched_blocks(prefix, PROMPT) == blocks[:4]  # cached anew
+    prefix.check_invariants()
