@@ -4,7 +4,9 @@
 the radix tree of whole blocks and its walk (`tree`), chained hashes (`hashing`) and events
 (`events`), the eviction policy (`eviction`: LRU today, one object a retention policy can
 replace), and the host-tier demotion and promotion (`tiering`; the disk tier's in
-`disk_tiering`). `SequenceTable`
+`disk_tiering`); the class itself is composed of mixins (`prefix_insert`, `prefix_eviction`,
+`prefix_tiers`, `prefix_queries`), as `HybridPrefixCache` (`hybrid_prefix`) is of `hybrid_match`,
+`hybrid_store`, `hybrid_eviction`, `hybrid_events` and `hybrid_queries`. `SequenceTable`
 (`sequence_table`) keeps per-sequence block tables; its kernel exports live in `exports`,
 its batched decode append (`append_decode`) in `decode_step`, and its side of the reserve/confirm protocol with the prefix cache in `reuse`.
 

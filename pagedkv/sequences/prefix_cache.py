@@ -18,6 +18,11 @@ moment its last other holder released it.
 
 Host tier (`PrefixCache(cache, host_tier=HostTier(...))`, `tiering`): eviction demotes
 instead of dropping, and `SequenceTable.add` promotes the host part of its match.
+
+This module holds the class, its construction and the lookup path (`match`, `reserve`,
+`confirm`, `cancel`); the rest is mixed in: the store path (`prefix_insert`), eviction,
+clearing and closing (`prefix_eviction`), the tier glue (`prefix_tiers`) and the
+introspection with `check_invariants` (`prefix_queries`).
 """
 
 from __future__ import annotations
@@ -27,18 +32,20 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..cache import HybridKvCache, PagedKvCache
 from ..core.guard import ThreadGuard, guarded
-from ..core.log import debug_enabled, get_logger
 from ..core.streams import stream_handle
-from ..core.validate import block_list, int64_bytes_of_ids, non_negative_int, token_ids, token_ids_and_bytes
+from ..core.validate import int64_bytes_of_ids, non_negative_int, token_ids
 from ..errors import KvCacheError, RefCountError
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent, stored
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, PrefixCacheEvent
 from .block_keys import BlockKeys, block_keys
-from .eviction import Chosen
-from .retention import RetentionApi, RetentionEviction, priority_of
+from .retention import RetentionApi, RetentionEviction
 from .vllm_hash import DEFAULT_SCHEME, SCHEMES, VllmHashes, resolve_seed
 from .vllm_hash import SCHEME as VLLM_SCHEME
 from .hashing import chain_hash, int64_bytes, root_hash
 from .hybrid_prefix import HybridPrefixCache
+from .prefix_eviction import PrefixEviction
+from .prefix_insert import PrefixInsert
+from .prefix_queries import PrefixQueries
+from .prefix_tiers import PrefixTiers
 from .stats import PrefixCacheStats, PrefixCounters
 from .disk_tiering import DiskTiering
 from .tiering import HostTiering
@@ -52,8 +59,6 @@ __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "PrefixCache", "PrefixCacheEvent", "PrefixCacheStats",
     "PrefixMatch", "TieredMatch", "adapter_id_checked", "chain_hash", "root_hash",
 ]
-
-_log = get_logger("prefix_cache")
 
 
 class PrefixMatch(NamedTuple):
@@ -81,7 +86,7 @@ class _Reservation(TieredMatch):
     confirmed nor cancelled), so that it is released only once."""
 
 
-class PrefixCache(RetentionApi):
+class PrefixCache(PrefixInsert, PrefixEviction, PrefixTiers, PrefixQueries, RetentionApi):
     """A prefix cache attached to one PagedKvCache (one per KV cache). It holds one
     reference of its own on every cached block, so a cached block never reaches the free
     list while cached; `PagedKvCache.alloc_blocks` asks it to evict when short.
@@ -341,285 +346,3 @@ class PrefixCache(RetentionApi):
             self._cache.free_blocks(found.blocks)
         finally:
             self._refresh_on_release = True
-
-    @guarded
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], adapter_id: int = 0,
-               cache_salt: str | bytes | None = None, extra_keys=None) -> int:
-        """Register the caller's full blocks of `tokens` (`blocks[i]` holds tokens
-        `i*block_size ..`; a final partial block is not cached). Chunks already cached keep
-        their block; new ones take one reference of the cache's own on the caller's block.
-        Returns how many blocks were newly cached. Checked before anything changes;
-        KvCacheError on a closed cache. `cache_salt` and `extra_keys` as for `match`."""
-        self._check_open("insert")
-        adapter_id = adapter_id_checked(adapter_id)
-        keys = block_keys(adapter_id, cache_salt, extra_keys, self._block_size)
-        tokens, packed = token_ids_and_bytes(tokens, "tokens", copy=False)  # checked and packed once; not kept
-        blocks = block_list(blocks, self._cache.num_blocks(), "blocks")  # names a bad entry
-        bs = self._block_size
-        n_full = len(tokens) // bs
-        if not n_full <= len(blocks) <= -(-len(tokens) // bs):
-            raise ValueError(f"{len(tokens)} tokens fill {n_full} block(s) of {bs}, but {len(blocks)} blocks were given")
-        return self._insert_checked(tokens, blocks, n_full, adapter_id, False, keys, packed)
-
-    def _insert_checked(self, tokens: list[int], blocks: list[int], n_full: int, adapter_id: int, by_block: bool,
-                        keys: BlockKeys | None = None, packed: bytes | None = None, hint: list[Node] = ()) -> int:
-        """Insert the first `n_full` blocks of valid arguments (the guard held by the caller).
-        With `by_block`, the caller vouches that `blocks[i]` holds chunk i, so a block
-        already cached under the current node is followed without comparing its tokens,
-        and `hint` may name the nodes of `blocks[:len(hint)]` as a walk found them (a
-        sequence's matched prefix): taken without a walk while the last of them still
-        holds its block (a device node's ancestors are device nodes with their blocks,
-        and a block the caller holds is never evicted), else ignored.
-        `packed`: the tokens' int64 bytes when the caller has them (else packed here, the
-        new part only)."""
-        tiering = self._check_tier()
-        bs, tree = self._block_size, self._tree
-        root_key = adapter_id if keys is None else keys.root_key
-        root = tree.roots.get(root_key)
-        node, path, data, base = root, [], packed, 0
-        if root is not None:
-            k = len(hint)
-            if by_block and 0 < k <= n_full and self._by_block.get(blocks[k - 1]) is hint[k - 1]:
-                node, path, data, base = tree.follow(hint[-1], tokens, blocks, n_full, by_block, keys, packed, hint)
-            else:
-                node, path, data, base = tree.follow(root, tokens, blocks, n_full, by_block, keys, packed)
-        first_new = len(path)
-        path, adopt, adopt_disk = tiering.split(path) if tiering is not None else (path, [], [])
-        adopt += adopt_disk  # host and disk-only nodes on the way: adopted into the caller's blocks
-        index = self._by_block
-        new_blocks = blocks[first_new - len(adopt) : n_full]
-        if len(set(new_blocks)) != len(new_blocks):
-            raise ValueError(f"insert given a block twice: {new_blocks}")
-        if not index.keys().isdisjoint(new_blocks):
-            block = next(b for b in new_blocks if b in index)
-            raise ValueError(f"block {block} is already cached for other tokens")
-        try:
-            self._cache.inc_refs(new_blocks)  # checks every block is held before any count changes
-        except RefCountError as err:
-            raise RefCountError(f"insert of a free block: the caller must hold every block it inserts ({err})") from None
-        if root is None:
-            root = node = tree.root(root_key)
-        if adopt:
-            tiering.to_device(adopt, new_blocks[: len(adopt)])
-            path += adopt
-        if path:
-            self._policy.touch_chain(path)
-        events = self._events
-        if adopt and events.consumer is not None:
-            events.emit(stored(adopt, tokens[(first_new - len(adopt)) * bs : first_new * bs], new_blocks[: len(adopt)], bs,
-                               digest=events.digest))
-        new_blocks = new_blocks[len(adopt):]
-        if not new_blocks:
-            return len(adopt)
-        if data is None:
-            base = first_new
-            data = int64_bytes(tokens[base * bs : n_full * bs])  # one array for the run, not one per block
-        made = tree.extend(node, data, first_new - base, new_blocks, keys, base)
-        self._policy.touch(made)
-        if events.consumer is not None:
-            events.emit(stored(made, tokens[first_new * bs : n_full * bs], new_blocks, bs, digest=events.digest))
-        return len(adopt) + len(new_blocks)
-
-    # -- eviction ----------------------------------------------------------------------
-
-    def on_sole_reference(self, block: int) -> None:
-        """Called by the cache when `block`'s count falls to 1: if it is a cached leaf, it is
-        now evictable and this release counts as its latest use."""
-        node = self._by_block.get(block)
-        if node is not None and not node.n_dev:
-            self._policy.released(node, self._refresh_on_release)
-
-    def on_sole_references(self, blocks: list[int]) -> None:
-        """`on_sole_reference` of each of `blocks` in order, in one call."""
-        get, released, refresh = self._by_block.get, self._policy.released, self._refresh_on_release
-        for block in blocks:
-            node = get(block)
-            if node is not None and not node.n_dev:
-                released(node, refresh)
-
-    def _evict_chosen(self, chosen: Chosen) -> list[int]:
-        tiering = self._check_tier()
-        priorities = [priority_of(node) for _, node in chosen] if self._policy.hints else ()
-        if tiering is not None and chosen:
-            blocks = tiering.demote(chosen)
-            self._counters.evictions += len(blocks)
-            self._counters.count_priorities(priorities)
-            return blocks
-        blocks = [node.block for _, node in chosen]
-        hashes = self._events.hashes([node for _, node in chosen]) if self._events.consumer is not None else None
-        for block in blocks:
-            self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
-        remove = self._tree.remove_leaf
-        for _, node in chosen:
-            remove(node)
-        self._counters.evictions += len(blocks)
-        self._counters.count_priorities(priorities)
-        if blocks:
-            if debug_enabled():
-                _log.debug("prefix_cache_evicted", blocks=len(blocks))
-            if hashes is not None:
-                self._events.emit(BlockRemoved(block_hashes=tuple(hashes), block_ids=tuple(blocks)))
-        return blocks
-
-    @guarded
-    def evict(self, n: int) -> list[int]:
-        """Evict up to `n` least-recently-used leaves whose block only the cache holds,
-        children before parents (demoted into the host tier when there is one); returns the
-        device blocks, now on the free list. A block a sequence still holds is never evicted."""
-        return self._evict_chosen(self._policy.select(non_negative_int(n, "number of blocks to evict")))
-
-    def reclaim(self, n: int) -> bool:
-        """Evict exactly `n` blocks if that many are evictable, else nothing; True on
-        success. The cache calls this when its free list is short, and `deliver_events()`
-        once the allocation is complete."""
-        guard = self._guard
-        guard.enter()
-        try:
-            chosen = self._policy.select(n)
-            if len(chosen) < n:
-                self._policy.unselect(chosen)
-                return False
-            self._evict_chosen(chosen)
-            return True
-        finally:
-            guard.exit()
-
-    # -- the host tier -----------------------------------------------------------------
-
-    def _check_tier(self) -> HostTiering | None:
-        """The tiering part while its host tier is live. Once the tier has been released,
-        forget every host-resident block (a BlockRemoved on the CPU) and go on as a
-        device-only cache (None)."""
-        tiering = self._tiering
-        if tiering is not None:
-            if not tiering.tier.is_live():
-                tiering.forget_all()
-                self._tiering = tiering = None
-                self._disk = None
-            elif self._disk is not None:
-                if self._disk.disk.is_bound():
-                    self._disk.poll()
-                else:  # the disk tier was closed first: forget its blocks, go on with two tiers
-                    self._disk.forget_all()
-                    tiering.disk = self._disk = None
-        return tiering
-
-    def host_tier(self) -> "HostTier | None":
-        """The host tier evictions demote into, or None. Releasing the tier before the
-        prefix cache is allowed: the next call forgets the host-resident blocks (one
-        BlockRemoved on the CPU) and the cache goes on device-only."""
-        return None if self._tiering is None else self._tiering.tier
-
-    def num_host_blocks(self) -> int:
-        """How many blocks the cache holds in the host tier (0 once the tier was released:
-        the next call forgets them)."""
-        tiering = self._tiering
-        return 0 if tiering is None or not tiering.tier.is_live() else len(tiering.by_host)
-
-    def disk_tier(self) -> "DiskTier | None":
-        """The disk tier below the host tier, or None. Closing the disk tier before the
-        prefix cache is allowed: the next call forgets the disk blocks (the directory keeps
-        them) and the cache goes on with two tiers."""
-        return None if self._disk is None else self._disk.disk
-
-    def num_disk_blocks(self) -> int:
-        """How many cached blocks have a copy in the disk tier (on disk only, or beside a
-        device or host block)."""
-        return 0 if self._disk is None else self._disk.num_blocks()
-
-    # -- clearing ----------------------------------------------------------------------
-
-    @guarded
-    def clear(self) -> None:
-        """Forget every cached block, handing back the cache's references (blocks that
-        sequences still hold stay with them). A disk tier's directory forgets its blocks too."""
-        self._clear_checked()
-
-    def _clear_checked(self, wipe_disk: bool = True) -> None:
-        blocks = list(self._by_block)
-        for block in blocks:
-            self._cache.return_evicted_block(block)  # while still cached: the cache's own reference
-        hosts = 0 if self._tiering is None else self._tiering.clear(wipe_disk)
-        self._tree.clear()
-        self._policy.clear()
-        _log.info("prefix_cache_cleared", blocks=len(blocks), host_blocks=hosts)
-        if self._events.consumer is not None:
-            self._events.emit(AllBlocksCleared())
-
-    @guarded
-    def close(self) -> None:
-        """`clear()` and detach from the cache, which then allocates without evicting.
-        Afterwards the prefix cache takes nothing: `insert` raises, `match` finds nothing,
-        and a SequenceTable on it offers nothing. A second call does nothing. A disk tier's
-        directory keeps its blocks (for the next process); close the DiskTier after this."""
-        if not self._closed:
-            self._closed = True
-            try:
-                self._clear_checked(wipe_disk=False)
-            finally:
-                if self._tiering is not None:
-                    self._tiering.tier.detach_owner(self._guard)
-                self._cache.detach_prefix_cache(self)
-
-    # -- introspection -----------------------------------------------------------------
-
-    def stats(self) -> PrefixCacheStats:
-        """Counters since construction (see PrefixCacheStats)."""
-        disk = None if self._disk is None else self._disk.disk.stats()
-        return self._counters.snapshot(len(self._by_block), self.num_host_blocks(), self.num_disk_blocks(), disk)
-
-    def num_cached_blocks(self) -> int:
-        """How many blocks the cache holds."""
-        return len(self._by_block)
-
-    def num_evictable_blocks(self) -> int:
-        """How many cached device blocks allocation could evict now (held by the cache
-        alone, with no held or kept descendant on the device); `PagedKvCache.
-        num_available_blocks()` adds them to the free list. O(cached blocks)."""
-        return self._policy.count_evictable()
-
-    def is_cached(self, block: int) -> bool:
-        """True when `block` is in the cache."""
-        return block in self._by_block
-
-    @property
-    def cached_index(self):
-        """The blocks the cache holds, as a read-only view (`block in index`), the same
-        object for the cache's life: what the allocator's free paths test instead of
-        calling `is_cached` per block."""
-        return self._cached_view
-
-    def block_hash(self, block: int) -> int | bytes:
-        """The chained content hash of a cached block (an int under the default scheme, the
-        32-byte digest under "vllm-sha256-cbor"); KeyError when it is not cached."""
-        node = self._by_block.get(block)
-        if node is None:
-            raise KeyError(f"block {block} is not in the prefix cache")
-        return node.hash if self._digest is None else self._digest(node)
-
-    def hash_scheme(self) -> str:
-        """The scheme of `block_hash` and the events' hashes."""
-        return self._hash_scheme
-
-    def block_references(self) -> dict[int, int]:
-        """block -> references the prefix cache holds (1 per cached block)."""
-        return dict.fromkeys(self._by_block, 1)
-
-    def check_invariants(self) -> None:
-        """Raise KvCacheError if the tree, the block index and the counts disagree: every
-        node has `block_size` tokens under its own key and a correct chained hash, no block
-        is cached twice, every cached block holds count >= 1 (O(cached blocks))."""
-        tiering = self._check_tier()
-        check_lower = tiering.checker() if tiering is not None else _no_lower_tier
-        seen = self._tree.check(self._cache.ref_count, check_lower)
-        hosts = self.num_host_blocks()
-        disk_only = 0 if self._disk is None else self._disk.num_disk_only()
-        if seen != len(self._by_block) + hosts + disk_only:
-            raise KvCacheError(f"{len(self._by_block)} device, {hosts} host and {disk_only} disk-only blocks indexed "
-                               f"but {seen} in the tree")
-        if tiering is not None:
-            tiering.check_counts()
-
-
-def _no_lower_tier(node: Node) -> None:
-    raise KvCacheError(f"a node with neither a device nor an indexed host block (host {node.lower})")
