@@ -9,6 +9,8 @@ replace), and the host-tier demotion and promotion (`tiering`; the disk tier's i
 `hybrid_store`, `hybrid_eviction`, `hybrid_events` and `hybrid_queries`. `SequenceTable`
 (`sequence_table`) keeps per-sequence block tables; its kernel exports live in `exports`,
 its batched decode append (`append_decode`) in `decode_step`, and its side of the reserve/confirm protocol with the prefix cache in `reuse`.
+`HybridSequenceTable` (`hybrid_table`) is composed of `hybrid_alloc`, `hybrid_add`, `hybrid_append`,
+`hybrid_decode_step`, `hybrid_offers` and `hybrid_table_queries` (its records in `hybrid_records`).
 
 May import: `pagedkv.tiers`, `pagedkv.cache`, `pagedkv.groups`, `pagedkv.kv`, `pagedkv.interop`,
 `pagedkv.backends`, `pagedkv.core`, `pagedkv.errors`.
