@@ -4,8 +4,9 @@ batched swaps, and `HybridHostTier` (`hybrid_host_tier`) a HostTier per group of
 cache; `DiskTier` (`disk_tier`, with `disk_layout`, `disk_index`, `disk_io`): slots
 in a directory below a host tier, kept across restarts, and `HybridDiskTier`
 (`hybrid_disk_tier`) a DiskTier per group of a hybrid cache; `KvTransfer`
-(`transfer`): blocks written into another engine's cache over NIXL (optional dependency,
-imported lazily), `HybridKvTransfer` (`hybrid_transfer`, with `hybrid_grouping`,
+(`transfer`, composed of `transfer_peers`, `transfer_send`, `transfer_notify`, `pull_mode`
+and `transfer_grants`): blocks written into another engine's cache over NIXL (optional
+dependency, imported lazily), `HybridKvTransfer` (`hybrid_transfer`, with `hybrid_grouping`,
 `hybrid_wire`, `hybrid_pull`, `hybrid_grants`) one per group of a hybrid cache, across TP
 sizes, pushed or pulled, under grants.
 

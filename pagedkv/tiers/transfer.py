@@ -17,6 +17,11 @@ the sender which ones, out of band; nothing else about them is assumed. NIXL is 
 only when a KvTransfer is built (`import pagedkv.transfer` needs no NIXL); install it with
 `pip install --no-deps nixl-cu13==1.5.1` (the wheel declares torch, which its Python API
 does not import).
+
+This module holds the class, its construction (NIXL loaded, the pools registered), its
+metadata and `close`; the rest is mixed in: the peers with `connect` (`transfer_peers`),
+the send path with `TransferHandle` (`transfer_send`), the notifications
+(`transfer_notify`), the pull half (`pull_mode`) and the write grants (`transfer_grants`).
 """
 
 from __future__ import annotations
@@ -25,27 +30,27 @@ import importlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
-
-import numpy as np
 
 from ..backends.capabilities import backend_supports, device_kind
 from ..cache.hybrid_cache import HybridKvCache, StateGroup
 from ..cache.paged_cache import PagedKvCache
 from ..core.log import get_logger
-from ..core.validate import positive_int, seconds
+from ..core.validate import positive_int
 from ..errors import KvCacheError
 from . import transfer_metadata
-from . import head_plan
 from . import leases as pull_leases
-from .pull_mode import PullMode, blocks_of as _blocks
-from .transfer_grants import GrantMode, GrantTable, GrantViolation, notify_prefix, parse_ticket
+from .pull_mode import PullMode
+from .transfer_grants import GrantMode, GrantTable, GrantViolation  # noqa: F401 - GrantViolation re-exported
+from .transfer_notify import Notifications, poll_notifications  # noqa: F401 - poll_notifications re-exported
+from .transfer_peers import PeerConnections, _Peer, _Pool
+from .transfer_send import SendMode, TransferHandle  # noqa: F401 - TransferHandle re-exported
 from .head_plan import block_runs  # noqa: F401 - re-exported: this module's API before head_plan
 from .transfer_errors import (  # noqa: F401 - re-exported: the transfer API's errors
     LayoutMismatch,
     LeaseExpired,
     NixlUnavailable,
+    PeerRefused,
     TransferError,
     TransferTimeout,
     UnknownPeer,
@@ -77,12 +82,6 @@ used disconnected one is removed, and a connect with every loaded peer connected
 _LIVE_NAMES: set[str] = set()
 """The names of this process's open KvTransfer agents: a second agent of one name is refused."""
 
-
-class PeerRefused(TransferError, PermissionError):
-    """`connect` refused a peer that the allow-list does not name or whose metadata lacks the
-    shared token's tag; nothing was loaded."""
-
-
 _NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 
@@ -106,115 +105,7 @@ def load_nixl() -> Any:
     )
 
 
-@dataclass(frozen=True)
-class _Pool:
-    """One registered pool: its layer, side, address as NIXL sees it, and block stride."""
-
-    layer: int
-    side: str
-    address: int
-    stride: int
-
-
-@dataclass(frozen=True)
-class _Slots:
-    """A state slot pool as `head_plan.descriptors` sees it: only its stride (slots move whole)."""
-
-    stride: int
-
-
-@dataclass(frozen=True)
-class _Peer:
-    """What `connect` learned about a peer: its pools, and per pool pair the plan of a
-    block sent to it (`send_plans`) and read from it (`pull_plans`): (local base, remote
-    base, local geometry, remote geometry, template)."""
-
-    name: str
-    num_blocks: int
-    mem_type: str
-    device_id: int
-    pools: tuple
-    tp_rank: int
-    tp_size: int
-    send_plans: tuple
-    pull_plans: tuple
-    info: dict
-
-
-def poll_notifications(fetch: Callable[[], list], timeout: object, what: str) -> list:
-    """`fetch()` polled (backing off from 10 us to 1 ms) until it returns a non-empty list;
-    TransferTimeout "`what` arrived within `timeout` s" past `timeout` seconds (a finite
-    number >= 0: ValueError for NaN, an infinity or a bool)."""
-    timeout = seconds(timeout, "timeout")
-    deadline, pause = time.monotonic() + timeout, 1e-5
-    while True:
-        got = fetch()
-        if got:
-            return got
-        if time.monotonic() >= deadline:
-            raise TransferTimeout(f"{what} arrived within {timeout} s")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-
-
-class TransferHandle:
-    """One `send` in flight. `wait(timeout)` blocks until its bytes are written at the peer;
-    `done()` polls. Once complete (or failed) the NIXL request is released."""
-
-    def __init__(self, owner: "KvTransfer", request: Any, peer: str, blocks: int, nbytes: int, descriptors: int):
-        self._owner = owner
-        self._request = request
-        self.peer = peer
-        """The peer the blocks go to."""
-        self.blocks = blocks
-        """How many blocks this transfer writes."""
-        self.nbytes = nbytes
-        """How many bytes this transfer writes (every layer, both sides)."""
-        self.descriptors = descriptors
-        """How many NIXL descriptors the request has: one per pool per run of consecutive pairs."""
-        self._state = "PROC"
-        self._reason = "NIXL state ERR"
-
-    def done(self) -> bool:
-        """True once every byte is written at the peer; TransferError if the transfer failed."""
-        if self._state == "PROC":
-            try:
-                self._state = self._owner._poll(self._request)
-            except TransferError:
-                raise
-            except Exception as err:  # noqa: BLE001 - NIXL raises its own classes for a lost peer
-                self._state, self._reason = "ERR", f"{type(err).__name__}: {err}"
-            if self._state != "PROC":
-                self._finish()
-        if self._state == "ERR":
-            raise TransferError(
-                f"transfer of {self.blocks} blocks ({self.nbytes} bytes) to peer {self.peer!r} failed: {self._reason}"
-            )
-        return self._state == "DONE"
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the transfer is complete. TransferTimeout, naming the peer, the
-        blocks and the timeout, when it is not complete after `timeout` seconds (None waits
-        for ever); the transfer stays in flight and `wait` may be called again. TransferError
-        if it failed."""
-        timeout = seconds(timeout, "timeout", allow_none=True)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 1e-5
-        while not self.done():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TransferTimeout(
-                    f"transfer of {self.blocks} blocks ({self.nbytes} bytes) to peer {self.peer!r} "
-                    f"not complete after {timeout} s (still in flight; wait again or close)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def _finish(self) -> None:
-        self._owner._release_request(self._request)
-        self._request = None
-
-
-class KvTransfer(PullMode, GrantMode):
+class KvTransfer(PeerConnections, SendMode, Notifications, PullMode, GrantMode):
     """A NIXL agent named `name` with every pool of `cache` (a PagedKvCache on `gpu`)
     registered: VRAM of `gpu.device_ordinal` on a "device:cuda" backend, DRAM on a
     "device:cpu" one (through `gpu.view` when it states "host_view", as HostBackend does:
@@ -320,8 +211,6 @@ class KvTransfer(PullMode, GrantMode):
         _log.debug("kv_transfer_ready", name=name, mem=self._mem_type, pools=len(self._pools),
                    fingerprint=fingerprint(self._layout))
 
-    # -- setup ------------------------------------------------------------------------
-
     def _memory_kind(self, gpu: Any) -> tuple[str, int, list]:
         kind = device_kind(gpu)
         if kind == "cuda":
@@ -382,324 +271,6 @@ class KvTransfer(PullMode, GrantMode):
     def fingerprint(self) -> str:
         """The short hash of this cache's layout description (see `layout_of`)."""
         return fingerprint(self._layout)
-
-    def connect(self, peer_metadata: bytes) -> str:
-        """Load a peer's `metadata()` and return its name. The blob is checked first, with
-        nothing loaded: BadPeerMetadata (a ValueError) naming what is wrong in a blob that is
-        not well-formed KvTransfer metadata (sizes bounded before any JSON work, nesting,
-        every field's type, the NIXL part's length and digest: a truncated blob is refused
-        and never spoils a later connect); PeerRefused for a peer the allow-list does not
-        name or without the shared token's tag; ValueError for this agent's own name or a
-        name already connected; LayoutMismatch listing every difference a transfer cannot
-        map (formats, dims, strides, block size, window, global heads, ...; see
-        `layout_differences`) or every place the peer's description contradicts itself or
-        its pools (`layout_lies`). The block layout and TP placement may differ: blocks are
-        then split or gathered by head. A peer connected before reuses its NIXL connection
-        when its NIXL part is unchanged; TransferError when `max_peers` connections are
-        loaded and every one is connected."""
-        self._check_open()
-        info, nixl_md = transfer_metadata.parse(peer_metadata)
-        name = info["name"]
-        if self._allow is not None or self._token is not None:
-            named = self._allow is not None and name in self._allow
-            tagged = self._token is not None and transfer_metadata.check_token(info, self._token)
-            if not (named or tagged):
-                how = " or ".join(w for w, on in (("named in allow", self._allow is not None),
-                                                  ("tagged with the shared token", self._token is not None)) if on)
-                raise PeerRefused(f"peer {name!r} is not {how}: refused before anything was loaded")
-        if name == self.name:
-            raise ValueError(f"peer metadata names this agent itself ({name!r})")
-        if name in self._peers:
-            raise ValueError(f"peer {name!r} is already connected (disconnect it first)")
-        try:
-            lies = layout_lies(info["layout"])
-            if lies:
-                raise LayoutMismatch(f"peer {name!r} describes a layout that contradicts itself: " + "; ".join(lies))
-            diffs = layout_differences(self._layout, info["layout"])
-            if diffs:
-                raise LayoutMismatch(
-                    f"peer {name!r} has another cache layout (fingerprint {fingerprint(info['layout'])}, "
-                    f"here {self.fingerprint()}): " + "; ".join(diffs)
-                )
-            pools = self._peer_pools(name, info)
-            peer = self._make_peer(name, info, pools)
-        except (LayoutMismatch, BadPeerMetadata):
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as err:
-            raise BadPeerMetadata(f"peer {name!r} metadata is inconsistent: {type(err).__name__}: {err}") from None
-        self._load(name, nixl_md, info["nixl_digest"])
-        self._peers[name] = peer
-        _log.debug("kv_transfer_connected", name=self.name, peer=name, peer_blocks=info["num_blocks"])
-        return name
-
-    def _load(self, name: str, nixl_md: bytes, digest: str) -> None:
-        """Make NIXL know the peer `name` by this NIXL part: reuse a connection loaded with
-        the same part, else remove a stale one, make room under `max_peers`, and load."""
-        loaded = self._loaded.pop(name, None)
-        if loaded == digest:
-            self._loaded[name] = digest  # reused: most recently used now
-            return
-        if loaded is not None:  # the peer restarted (another NIXL part): load it afresh
-            self._remove_remote(name)
-        if len(self._loaded) >= self._max_peers:
-            idle = next((n for n in self._loaded if n not in self._peers), None)
-            if idle is None:
-                raise TransferError(f"connect of peer {name!r}: {len(self._loaded)} peers are connected, the bound "
-                                    f"max_peers={self._max_peers}; disconnect one first")
-            del self._loaded[idle]
-            self._remove_remote(idle)
-        try:
-            got = self._agent.add_remote_agent(nixl_md)
-        except Exception as err:
-            self._remove_remote(name)  # whatever NIXL kept of a failed load must not block the next
-            raise TransferError(f"loading peer {name!r} failed: {type(err).__name__}: {err}") from err
-        got = got.decode() if isinstance(got, bytes) else str(got)
-        if got != name:
-            self._remove_remote(got)
-            raise BadPeerMetadata(f"peer metadata names {name!r} but its NIXL part names {got!r}")
-        self._loaded[name] = digest
-
-    def _remove_remote(self, name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception as err:  # noqa: BLE001 - not loaded, or already gone: nothing to keep
-            _log.debug("kv_transfer_remove_remote", name=self.name, peer=name, error=f"{type(err).__name__}: {err}")
-
-    def _peer_pools(self, name: str, info: dict) -> tuple:
-        """The peer's pools, which must be the (layer, side, stride) its layout describes, in order."""
-        try:
-            pools = tuple(_Pool(int(l), str(s), int(a), int(st)) for l, s, a, st in info["pools"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise BadPeerMetadata(f"peer {name!r} metadata has a broken pool list: {err!r}") from None
-        layout = info["layout"]
-        described = []
-        if is_state_layout(layout):
-            described = [(row["layer"], f"S{row['tensor']}", row["stride"]) for row in layout["rows"]]
-        for layer, entry in enumerate(layout.get("layers", [])):
-            described.append((layer, "K", entry["k_stride"]))
-            if not layout["v_aliases_k"]:
-                described.append((layer, "V", entry["v_stride"]))
-        if [(p.layer, p.side, p.stride) for p in pools] != described:
-            raise BadPeerMetadata(f"peer {name!r} metadata lists {len(pools)} pools that do not match its layout")
-        return pools
-
-    def _make_peer(self, name: str, info: dict, pools: tuple) -> _Peer:
-        """The peer with its send and pull plans (pagedkv.tiers.head_plan)."""
-        layout = info["layout"]
-        rank, size = int(layout.get("tp_rank", 0)), int(layout.get("tp_size", 1))
-        my_rank, my_size = self._layout["tp_rank"], self._layout["tp_size"]
-        sends_replicas = my_rank == head_plan.replica_sender(rank, my_size, size)
-        pulls_replicas = rank == head_plan.replica_sender(my_rank, size, my_size)
-        if self._state:  # slots move whole (replicated across TP: one sending rank per receiver)
-            def whole(on: bool, stride: int) -> np.ndarray:
-                return np.array([[0, 0, stride]], np.int64) if on else np.zeros((0, 3), np.int64)
-
-            plans = [(here.address, there.address, _Slots(here.stride), _Slots(there.stride),
-                      whole(sends_replicas, here.stride)) for here, there in zip(self._pools, pools)]
-            back = [(there.address, here.address, _Slots(there.stride), _Slots(here.stride),
-                     whole(pulls_replicas, here.stride)) for here, there in zip(self._pools, pools)]
-            return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
-                         rank, size, tuple(plans), tuple(back), info)
-        mine, theirs = pool_geometries(self._layout), pool_geometries(layout)
-        send, pull = [], []
-        for here, there, m, t in zip(self._pools, pools, mine, theirs):
-            out = head_plan.block_template(m, t) if (sends_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
-            back = head_plan.block_template(t, m) if (pulls_replicas or not m.replicated) else np.zeros((0, 3), np.int64)
-            send.append((here.address, there.address, m, t, out))
-            pull.append((there.address, here.address, t, m, back))
-        return _Peer(name, int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]), pools,
-                     rank, size, tuple(send), tuple(pull), info)
-
-    def peers(self) -> list[str]:
-        """The names of the connected peers."""
-        return list(self._peers)
-
-    def disconnect(self, peer: str) -> None:
-        """Forget a connected peer (UnknownPeer otherwise); its in-flight sends stay waitable.
-        Its NIXL connection stays loaded for a later `connect` of the same peer (up to
-        `max_peers` loaded; `close` removes them)."""
-        self._check_open()
-        self._peer(peer)
-        del self._peers[peer]
-
-    def loaded_peers(self) -> list[str]:
-        """The peers whose NIXL connections are loaded (connected or kept for reuse), least
-        recently used first; at most `max_peers`."""
-        return list(self._loaded)
-
-    def _peer(self, peer: object) -> _Peer:
-        found = self._peers.get(peer) if isinstance(peer, str) else None
-        if found is None:
-            known = ", ".join(map(repr, self._peers)) or "none"
-            raise UnknownPeer(f"unknown peer {peer!r} (connected: {known}); connect(peer_metadata) first")
-        return found
-
-    # -- transfers --------------------------------------------------------------------
-
-    def checked_send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"",
-                     grant: bytes | None = None) -> tuple:
-        """(peer, src, dst, notify as sent) of a `send` after every one of its checks, nothing
-        sent: for a caller that must refuse a send of several agents before any of them posts."""
-        self._check_open()
-        info = self._peer(peer)
-        src = _blocks(src_blocks, self._num_blocks, "src_blocks", "this cache")
-        dst = _blocks(dst_blocks, info.num_blocks, "dst_blocks", f"peer {info.name!r}")
-        if len(src) != len(dst):
-            raise ValueError(f"src_blocks has {len(src)} blocks but dst_blocks has {len(dst)}")
-        if not src:
-            raise ValueError("src_blocks is empty: nothing to send")
-        if len(set(dst)) != len(dst):
-            seen: set[int] = set()
-            repeated = next(b for b in dst if b in seen or seen.add(b))  # type: ignore[func-returns-value]
-            raise ValueError(f"destination block {repeated} appears twice in dst_blocks")
-        free = next((b for b in src if self._cache.ref_count(b) == 0), None)
-        if free is not None:
-            raise ValueError(f"source block {free} is free (send only blocks the cache holds)")
-        if not isinstance(notify, (bytes, bytearray)):
-            raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
-        if grant is not None:
-            body = parse_ticket(grant)
-            if body["receiver"] != info.name or body["peer"] != self.name:
-                raise ValueError(f"the grant is {body['receiver']!r}'s for {body['peer']!r}, not peer "
-                                 f"{info.name!r}'s for {self.name!r}")
-            allowed = set(body["blocks"])
-            outside = next((b for b in dst if b not in allowed), None)
-            if outside is not None:
-                raise ValueError(f"destination block {outside} is not in peer {info.name!r}'s grant "
-                                 f"{body['grant']} (blocks {body['blocks'][:8]}{'...' if len(allowed) > 8 else ''})")
-            notify = notify_prefix(body["grant"]) + bytes(notify)
-        elif info.info.get("grants") is True:
-            raise ValueError(f"peer {info.name!r} requires a grant for every send: pass grant=<its grant ticket>")
-        self._check_moves(info, info.send_plans)
-        return info, src, dst, notify
-
-    def send(self, peer: str, src_blocks: Any, dst_blocks: Any, notify: bytes = b"", grant: bytes | None = None) -> TransferHandle:
-        """Write every layer's K and V of `src_blocks` (this cache's, each allocated) into
-        the peer's `dst_blocks` (the i-th into the i-th), in one NIXL request whose
-        descriptor list has one entry per layer, side and run of consecutive pairs; `notify`
-        reaches the peer's `notifications()` once the bytes have landed. Returns the handle
-        to wait on. Checked before anything is sent: UnknownPeer, a block out of range on
-        either side (IndexError naming it and the side's size), a free source block, lists of
-        different or zero length, a repeated destination (ValueError naming it), a notify
-        that is not bytes. Work the caller enqueued on the source blocks must be complete.
-
-        `grant` is the receiver's ticket (`grant`) for these destination blocks: refused,
-        before anything is sent, when it is another receiver's or for another sender, or when
-        a destination block is not in it (ValueError naming the block); its id travels with
-        the notification, which the receiver checks. A receiver made with require_grants=True
-        (its metadata says so) refuses a send without one here."""
-        info, src, dst, notify = self.checked_send(peer, src_blocks, dst_blocks, notify, grant)
-        local, remote = self._descriptors(info, info.send_plans, src, dst)
-        nixl_local = self._agent.get_xfer_descs(local, self._mem_type)
-        nixl_remote = self._agent.get_xfer_descs(remote, info.mem_type)
-        try:
-            request = self._agent.initialize_xfer("WRITE", nixl_local, nixl_remote, info.name, bytes(notify))
-        except Exception as err:
-            raise TransferError(f"preparing {len(src)} blocks for peer {info.name!r} failed: {type(err).__name__}: {err}") from err
-        self._requests[id(request)] = request
-        try:
-            state = self._agent.transfer(request)
-        except Exception as err:
-            self._release_request(request)
-            raise TransferError(f"posting {len(src)} blocks to peer {info.name!r} failed: {type(err).__name__}: {err}") from err
-        handle = TransferHandle(self, request, info.name, len(src), int(local[:, 1].sum()), len(local))
-        if state == "ERR":
-            self._release_request(request)
-            raise TransferError(f"posting {len(src)} blocks to peer {info.name!r} failed (NIXL state ERR)")
-        if state == "DONE":
-            handle._state = "DONE"
-            handle._finish()
-        _log.debug("kv_transfer_sent", name=self.name, peer=info.name, blocks=len(src),
-                   descriptors=len(local), bytes=handle.nbytes, state=state)
-        return handle
-
-    def _descriptors(self, peer: _Peer, plans: tuple, local_blocks: list[int],
-                     remote_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(local, remote) Nx3 uint64 arrays of (address, bytes, device): per pool pair and
-        block pair, the byte runs of the heads both sides hold (`head_plan`), consecutive
-        whole blocks merged. ValueError when nothing moves (`_check_moves`)."""
-        if plans is peer.send_plans:
-            src_rows, dst_rows = head_plan.descriptors(list(plans), local_blocks, remote_blocks)
-            local_rows, remote_rows = src_rows, dst_rows
-        else:
-            src_rows, dst_rows = head_plan.descriptors(list(plans), remote_blocks, local_blocks)
-            local_rows, remote_rows = dst_rows, src_rows
-        if local_rows.shape[0] == 0:
-            self._check_moves(peer, plans)
-        local = np.empty((local_rows.shape[0], 3), dtype=np.uint64)
-        remote = np.empty_like(local)
-        local[:, :2], remote[:, :2] = local_rows, remote_rows
-        local[:, 2], remote[:, 2] = self._device_id, peer.device_id
-        return local, remote
-
-    def _check_moves(self, peer: _Peer, plans: tuple) -> None:
-        """ValueError when `plans` (a peer's send or pull plans) move nothing: the two
-        caches share no head (naming both ranks' layer 0 head ranges), or, for a state group,
-        this pair of ranks is not the one whose replicated slots move (naming the rank that
-        sends them)."""
-        if any(plan[4].shape[0] for plan in plans):
-            return
-        sending = plans is peer.send_plans
-        mine, theirs = (self._layout["tp_rank"], self._layout["tp_size"]), (peer.tp_rank, peer.tp_size)
-        if self._state:
-            to, frm = (theirs, mine) if sending else (mine, theirs)
-            raise ValueError(
-                f"state slots are replicated across TP ranks and TP rank {to[0]} of {to[1]} takes them from TP rank "
-                f"{head_plan.replica_sender(to[0], frm[1], to[1])} of {frm[1]}, not rank {frm[0]} "
-                f"({'this cache' if sending else f'peer {peer.name!r}'}): nothing to move")
-        here, there = self._layout["layers"][0], peer.info["layout"]["layers"][0]
-        raise ValueError(
-            f"peer {peer.name!r} (TP rank {peer.tp_rank} of {peer.tp_size}, layer 0 heads "
-            f"[{there['head_start']}, {there['head_start'] + there['num_kv_heads']})) shares no head with this "
-            f"cache (TP rank {mine[0]} of {mine[1]}, layer 0 heads "
-            f"[{here['head_start']}, {here['head_start'] + here['num_kv_heads']})): nothing to move"
-        )
-
-    def _poll(self, request: Any) -> str:
-        self._check_open()
-        return self._agent.check_xfer_state(request)
-
-    def _release_request(self, request: Any) -> None:
-        if self._requests.pop(id(request), None) is None:
-            return
-        try:
-            self._agent.release_xfer_handle(request)
-        except Exception as err:  # noqa: BLE001 - a release that fails must not hide the result
-            _log.warning("kv_transfer_release_failed", name=self.name, error=f"{type(err).__name__}: {err}")
-
-    # -- notifications ----------------------------------------------------------------
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """Every (peer name, message) that arrived since the last call, oldest first per peer.
-        A puller's completion of a lease is handled here (the lease's blocks are freed, no
-        message is returned), and expired leases are released (`expire_leases`)."""
-        self._check_open()
-        violations = []
-        for peer, messages in self._agent.get_new_notifs().items():
-            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-            for message in map(bytes, messages):
-                if message.startswith(pull_leases.DONE_MAGIC):
-                    self._lease_done(peer, message[len(pull_leases.DONE_MAGIC):])
-                    continue
-                user, why = self._granted(peer, message, self._require_grants)
-                if why is None:
-                    self._inbox.append((peer, user))
-                else:
-                    violations.append(why)
-                    _log.warning("kv_transfer_grant_violation", name=self.name, peer=peer, why=why)
-        self.expire_leases()
-        if violations:
-            raise GrantViolation("; ".join(violations) + " (the other notifications stay queued)")
-        out, self._inbox = self._inbox, []
-        return out
-
-    def wait_notifications(self, timeout: float) -> list[tuple[str, bytes]]:
-        """`notifications()` once at least one has arrived; TransferTimeout naming the
-        timeout when none arrives within `timeout` seconds (a finite number >= 0: ValueError
-        for NaN or an infinity)."""
-        return poll_notifications(self.notifications, timeout, f"{self.name!r}: no notification")
-
-    # -- lifetime ---------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,4 +1,4 @@
-"""The errors of KV transfers (`KvTransfer`, pull leases): every one a `PagedKvError`."""
+"""The errors of KV transfers (`KvTransfer`, its peers, pull leases): every one a `PagedKvError`."""
 
 from __future__ import annotations
 
@@ -28,3 +28,9 @@ class TransferTimeout(TransferError, TimeoutError):
 class LeaseExpired(TransferError):
     """A pull's lease had expired (or was released) before the read finished: the sender may
     have reused the blocks, so the destination blocks hold undefined bytes."""
+
+
+class PeerRefused(TransferError, PermissionError):
+    """`connect` refused a peer that the allow-list does not name or whose metadata lacks the
+    shared token's tag; nothing was loaded."""
+
