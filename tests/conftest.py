@@ -20,6 +20,29 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 HOST_CAPACITY = 1 << 30
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Make `--dist loadgroup` group again: pytest-xdist marks a test of an xdist_group by
+    suffixing its node id with `@name` (the scheduler groups on that suffix), but it writes
+    the suffix to `item._nodeid`, which pytest 9.2's structured node ids no longer read
+    (pytest-xdist issue #1386), so every test was scheduled on its own: a group's
+    module-scoped fixture was built in both workers, and one waited on the other's lock.
+    Runs after xdist's hook, only in an xdist worker under loadgroup, and only where the
+    suffix is missing (a fixed xdist, or an older pytest, already wrote it)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if not names:
+            continue
+        suffix = "@" + "_".join(names)
+        node_id = getattr(item, "_id", None)
+        if item.nodeid.endswith(suffix) or node_id is None or not hasattr(type(node_id), "parse"):
+            continue
+        item._id = type(node_id).parse(item.nodeid + suffix)
+
+
 @pytest.fixture(scope="session")
 def cuda_session():
     """One CudaBackend for the whole session (one primary-context retain, kernels loaded

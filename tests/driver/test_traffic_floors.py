@@ -18,6 +18,10 @@ from kernel_harness import ptxas, shared_cache, traffic
 from kernel_harness.build import build_kernel_libraries
 from kernel_harness.stub import with_libraries
 
+# one worker runs the module (its report fixture once, first: loadgroup schedules the
+# largest group first), while the other runs the rest instead of waiting on the report's lock
+pytestmark = pytest.mark.xdist_group("traffic_floors")
+
 _HND_SCALES = ("HND nvfp4 at scattered slots: one (token, head)'s scales are 8 bytes of their own (NHD: a "
                "token's 8 heads' 64 bytes together), so a scale access uses 8 bytes of its 32-byte sector")
 MISSING = {

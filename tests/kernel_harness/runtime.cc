@@ -1,8 +1,12 @@
 // The kernel harness runtime: runs one grid of a registered kernel on the calling host
 // thread. CTAs run one after another in the order asked for; the CUDA threads of a CTA
-// are fibers (ucontext) switched only at barriers, warp exchanges and exits, so a run is
+// are fibers switched only at barriers, warp exchanges and exits, so a run is
 // deterministic for a given order. Faults (misaligned access, __trap, barrier
 // divergence) end the launch with a CUDA status and a message.
+// On x86-64 a fiber switch saves and restores the callee-saved registers, MXCSR and the
+// x87 control word and swaps stacks (pkv_fiber_switch below): glibc's swapcontext also
+// saves the signal mask with a sigprocmask system call per switch, which was most of a
+// harness run's time. Elsewhere, or built with -DPKV_UCONTEXT, fibers are ucontexts.
 #include <signal.h>
 #include <ucontext.h>
 
@@ -43,8 +47,16 @@ enum Order { ASCENDING = 0, DESCENDING = 1, RANDOM = 2 };
 
 constexpr size_t STACK_BYTES = 256 << 10;
 
+#if defined(__x86_64__) && !defined(PKV_UCONTEXT)
+#define PKV_FAST_FIBERS 1
+using FiberContext = void*;  // the saved stack pointer of a switched-out fiber (or scheduler)
+#else
+#define PKV_FAST_FIBERS 0
+using FiberContext = ucontext_t;
+#endif
+
 struct Fiber {
-    ucontext_t ctx;
+    FiberContext ctx;
     State state;
     unsigned barriers;      // __syncthreads passed
     const char* site_file;  // where it waits (barrier or warp exchange)
@@ -62,7 +74,7 @@ struct Launch {
     std::vector<char*> stacks;
     std::vector<unsigned> thread_order;
     std::vector<uint64_t> warp_slots;  // 32 per warp
-    ucontext_t scheduler;
+    FiberContext scheduler;
     int current;
     int status;
     char* message;
@@ -95,24 +107,109 @@ void fail(int status, const char* fmt, ...) {
     }
 }
 
-// Leave the running fiber for the scheduler; returns when the scheduler resumes it.
-void yield_to_scheduler() {
-    Launch* L = active;
-    swapcontext(&L->fibers[(size_t)L->current].ctx, &L->scheduler);
-}
-
-[[noreturn]] void abort_fiber() {
-    Launch* L = active;
-    L->fibers[(size_t)L->current].state = DONE;
-    setcontext(&L->scheduler);
-    std::abort();
-}
+#if PKV_FAST_FIBERS
+}  // namespace
+// pkv_fiber_switch(save, to): push the callee-saved registers and the MXCSR / x87 control
+// words, store the stack pointer in *save, switch to the stack `to` and pop what was pushed
+// there (by an earlier switch away from it, or by prepare_fiber); returns on that stack.
+extern "C" void pkv_fiber_switch(void** save, void* to) __attribute__((visibility("hidden")));
+asm(R"(
+    .text
+    .p2align 4
+    .globl pkv_fiber_switch
+    .hidden pkv_fiber_switch
+    .type pkv_fiber_switch, @function
+pkv_fiber_switch:
+    .cfi_startproc
+    endbr64
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .cfi_endproc
+    .size pkv_fiber_switch, .-pkv_fiber_switch
+)");
+namespace {
+#endif
 
 void fiber_main() {
     Launch* L = active;
     L->kernel->entry(L->params);
     L->fibers[(size_t)L->current].state = DONE;
-    // returning ends the context; uc_link resumes the scheduler
+    // returning ends the context; uc_link (or fiber_entry) resumes the scheduler
+}
+
+// Leave the running fiber for the scheduler; returns when the scheduler resumes it.
+void yield_to_scheduler() {
+    Launch* L = active;
+#if PKV_FAST_FIBERS
+    pkv_fiber_switch(&L->fibers[(size_t)L->current].ctx, L->scheduler);
+#else
+    swapcontext(&L->fibers[(size_t)L->current].ctx, &L->scheduler);
+#endif
+}
+
+[[noreturn]] void abort_fiber() {
+    Launch* L = active;
+    L->fibers[(size_t)L->current].state = DONE;
+#if PKV_FAST_FIBERS
+    void* abandoned;
+    pkv_fiber_switch(&abandoned, L->scheduler);
+#else
+    setcontext(&L->scheduler);
+#endif
+    std::abort();
+}
+
+#if PKV_FAST_FIBERS
+// A fresh fiber's first switch returns here, at the top of its stack.
+[[noreturn]] void fiber_entry() {
+    fiber_main();
+    void* finished;
+    pkv_fiber_switch(&finished, active->scheduler);
+    std::abort();
+}
+#endif
+
+// Make fiber t start the kernel at its next switch, on its own stack.
+void prepare_fiber(Launch* L, unsigned t) {
+    Fiber& f = L->fibers[t];
+#if PKV_FAST_FIBERS
+    // what pkv_fiber_switch pops, below a return into fiber_entry at a 16-byte aligned
+    // slot (so fiber_entry starts as a called function does: rsp = 8 mod 16)
+    void** top = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(L->stacks[t]) + STACK_BYTES) & ~uintptr_t(15));
+    top[-1] = nullptr;  // fiber_entry's own return address: it never returns
+    top[-2] = reinterpret_cast<void*>(&fiber_entry);
+    for (int r = 3; r <= 8; r++) top[-r] = nullptr;  // rbp, rbx, r12-r15
+    uint16_t fpu_control;
+    asm volatile("fnstcw %0" : "=m"(fpu_control));
+    const uint64_t control = (uint64_t)__builtin_ia32_stmxcsr() | (uint64_t)fpu_control << 32;
+    std::memcpy(&top[-9], &control, sizeof control);
+    f.ctx = &top[-9];
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = L->stacks[t];
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
+    f.ctx.uc_link = &L->scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+#endif
 }
 
 uint64_t splitmix(uint64_t& s) {
@@ -135,7 +232,11 @@ void run_fiber(Launch* L, unsigned t) {
     f.state = READY;
     L->current = (int)t;
     pkv_threadIdx = f.tid;
+#if PKV_FAST_FIBERS
+    pkv_fiber_switch(&L->scheduler, f.ctx);
+#else
     swapcontext(&L->scheduler, &f.ctx);
+#endif
     L->current = -1;
 }
 
@@ -186,11 +287,7 @@ bool run_cta(Launch* L, uint3 block) {
         f.site_file = nullptr;
         f.site_line = 0;
         f.tid = {t % pkv_blockDim.x, t / pkv_blockDim.x % pkv_blockDim.y, t / (pkv_blockDim.x * pkv_blockDim.y)};
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = L->stacks[t];
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = &L->scheduler;
-        makecontext(&f.ctx, fiber_main, 0);
+        prepare_fiber(L, t);
     }
     for (;;) {
         bool ran = false;

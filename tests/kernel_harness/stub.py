@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from . import build as harness_build
+from . import zygote
 
 STUB_SOURCE = Path(__file__).resolve().parent.parent / "stub_libcuda" / "stub_libcuda.c"
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -152,4 +153,7 @@ def run_on_stub(env: dict, body: str, timeout: float = 120) -> str:
 def run_on_stub_unchecked(env: dict, body: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run PRELUDE + `body` over the stub and return the finished process, whatever its status."""
     script = PRELUDE + textwrap.dedent(body)
+    forked = zygote.run(env, script, timeout)  # the same child, forked with numpy imported
+    if forked is not None:
+        return forked
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
