@@ -21,6 +21,21 @@ from ..core.validate import checked_token_ids
 from ..core.validate import token_ids as valid_token_ids
 
 
+def decode_arguments(seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> tuple[Sequence[Hashable], list[int]]:
+    """A decode step's `(seq_ids, token ids)` checked: the ids a list or tuple (another sized
+    iterable is listed; TypeError for None, a str or bytes), the tokens valid ids (TypeError /
+    ValueError naming a bad one), ValueError when their lengths differ."""
+    if type(seq_ids) is not list and type(seq_ids) is not tuple:
+        if seq_ids is None or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
+            raise TypeError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r:.60}")
+        seq_ids = list(seq_ids)
+    tokens = checked_token_ids(token_ids, "token_ids") if type(token_ids) is list else \
+        valid_token_ids(token_ids, "token_ids")
+    if len(tokens) != len(seq_ids):
+        raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
+    return seq_ids, tokens
+
+
 class DecodeSteps:
     """Mixed into `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_window`, `_gpu`,
     `_stream`, `_guard`, `_init`, `_pending_copies`, `_deliver`, `_batch`)."""
@@ -41,14 +56,7 @@ class DecodeSteps:
         run out, and a backend error while initialising or copying them, leave every
         sequence as it was and the new blocks freed; cached blocks the prefix cache evicted
         to make room stay evicted (every count stays consistent)."""
-        if type(seq_ids) is not list and type(seq_ids) is not tuple:
-            if seq_ids is None or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
-                raise TypeError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r:.60}")
-            seq_ids = list(seq_ids)
-        tokens = checked_token_ids(token_ids, "token_ids") if type(token_ids) is list else \
-            valid_token_ids(token_ids, "token_ids")
-        if len(tokens) != len(seq_ids):
-            raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
+        seq_ids, tokens = decode_arguments(seq_ids, token_ids)
         mark = self._decode_mark = self._decode_mark + 1
         batch = self._batch
         whole = batch.gathered and len(seq_ids) == len(batch.seqs)  # every row once (no id repeats)

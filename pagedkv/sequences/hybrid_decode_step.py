@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Hashable, Sequence
 
 from ..core.guard import guarded
-from ..core.validate import checked_token_ids
-from ..core.validate import token_ids as valid_token_ids
+from .decode_step import decode_arguments
 from .hybrid_records import _HSeq, _Undo
 
 
@@ -49,14 +48,7 @@ class HybridDecodeStep:
         backend error while initialising or copying them, leave every sequence as it was and
         the step's new blocks and slots freed; cached entries the prefix cache evicted to make
         room stay evicted. A checkpoint no slot is left for is skipped, as in `append`."""
-        if type(seq_ids) is not list and type(seq_ids) is not tuple:
-            if seq_ids is None or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
-                raise TypeError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r:.60}")
-            seq_ids = list(seq_ids)
-        tokens = checked_token_ids(token_ids, "token_ids") if type(token_ids) is list else \
-            valid_token_ids(token_ids, "token_ids")
-        if len(tokens) != len(seq_ids):
-            raise ValueError(f"{len(seq_ids)} seq_ids but {len(tokens)} token_ids")
+        seq_ids, tokens = decode_arguments(seq_ids, token_ids)
         mark = self._decode_mark = self._decode_mark + 1
         get = self._seqs.get
         records: list[_HSeq] = []
