@@ -14,11 +14,18 @@ appends release each before the next allocates, so the block ids may differ).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Hashable, Sequence
 
 from ..core.guard import guarded
 from ..core.validate import checked_token_ids
 from ..core.validate import token_ids as valid_token_ids
+
+
+DECODE_MARKS = itertools.count(1)
+"""Each append_decode call's mark, unique in the process (every table, one- or hybrid-group):
+a record counted by this call carries it, so a repeated id is caught, and a record moved to
+another table (swap_out / swap_in) can never carry a mark that table's next call will use."""
 
 
 def decode_arguments(seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> tuple[Sequence[Hashable], list[int]]:
@@ -40,7 +47,6 @@ class DecodeSteps:
     """Mixed into `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_window`, `_gpu`,
     `_stream`, `_guard`, `_init`, `_pending_copies`, `_deliver`, `_batch`)."""
 
-    _decode_mark = 0  # per table: the latest append_decode call's mark (catches a repeated id)
 
     @guarded
     def append_decode(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> None:
@@ -57,7 +63,7 @@ class DecodeSteps:
         sequence as it was and the new blocks freed; cached blocks the prefix cache evicted
         to make room stay evicted (every count stays consistent)."""
         seq_ids, tokens = decode_arguments(seq_ids, token_ids)
-        mark = self._decode_mark = self._decode_mark + 1
+        mark = next(DECODE_MARKS)
         batch = self._batch
         whole = batch.gathered and len(seq_ids) == len(batch.seqs)  # every row once (no id repeats)
         batch.stale()  # (the exports' kept gather of token counts; `decoded` below keeps it)

@@ -124,10 +124,13 @@ class HybridAppend:
                 raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
         n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
         undo = _Undo(self._groups)
+        pending, skipped = len(self._pending), dict(self._skipped)
         try:
             plan = self._plan_step(seq, n_tokens, undo)
         except BaseException:
             undo.undo()
+            del self._pending[pending:]  # (a copy planned before the failure, left pending)
+            self._skipped.update(skipped)  # (checkpoints the failed step skipped)
             raise
         self._commit_step(seq, plan, n_tokens, token_ids)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Hashable, Sequence
 
 from ..core.guard import guarded
-from .decode_step import decode_arguments
+from .decode_step import DECODE_MARKS, decode_arguments
 from .hybrid_records import _HSeq, _Undo
 
 
 class HybridDecodeStep:
     """Mixed into `HybridSequenceTable` (it sets `_groups`, `_seqs`, `_pending`, `_skipped`,
-    `_decode_mark`; `_plan_step` and `_commit_step` come from `HybridAppend`)."""
+    `_plan_step` and `_commit_step` come from `HybridAppend`)."""
 
     @guarded
     def append_decode(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> None:
@@ -49,7 +49,7 @@ class HybridDecodeStep:
         the step's new blocks and slots freed; cached entries the prefix cache evicted to make
         room stay evicted. A checkpoint no slot is left for is skipped, as in `append`."""
         seq_ids, tokens = decode_arguments(seq_ids, token_ids)
-        mark = self._decode_mark = self._decode_mark + 1
+        mark = next(DECODE_MARKS)
         get = self._seqs.get
         records: list[_HSeq] = []
         later: list[tuple[_HSeq, int]] = []  # (record, token) for the full path, in order

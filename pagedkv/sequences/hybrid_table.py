@@ -102,7 +102,6 @@ class HybridSequenceTable(HybridAdd, HybridAppend, HybridDecodeStep, HybridOffer
         self._pending_refs: list[tuple[int, int]] = []
         self._exports = ExportBuffers(gpu, stream)
         self._guard = prefix_cache._guard if prefix_cache is not None else ThreadGuard("this SequenceTable")
-        self._decode_mark = 0  # the latest append_decode call's mark
 
     def _deliver(self) -> None:
         if self._prefix is not None:

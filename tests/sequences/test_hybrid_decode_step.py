@@ -373,3 +373,45 @@ def test_the_step_reports_its_evictions_before_the_offers_of_its_releases():
         runs.append([(e.kind, e.group) for e in events])
         table.check_invariants()
     assert runs == [[("stored", SLIDING), ("removed", FULL)], [("removed", FULL), ("stored", SLIDING)]]
+
+
+class FailingCopy(HostBackend):
+    """A HostBackend whose block copies fail while `fail` is set."""
+
+    fail = False
+
+    def copy_blocks(self, *args, **kwargs):
+        if self.fail:
+            raise RuntimeError("copy failed")
+        return super().copy_blocks(*args, **kwargs)
+
+
+@pytest.mark.parametrize("way", ["append", "append_decode"])
+def test_a_step_whose_copy_fails_after_skipping_a_checkpoint_leaves_the_count(way):
+    gpu = FailingCopy(capacity_bytes=1 << 24)
+    table, _ = world(gpu=gpu, slots=3)
+    table.add("a", [1, 2, 3])  # live slot + checkpoint at 2
+    table.fork("a", "b")  # the third slot; the partly filled last blocks shared
+    gpu.fail = True
+    with pytest.raises(RuntimeError, match="copy failed"):  # checkpoint 4: no slot (skipped), then the copy fails
+        table.append("a", 1, [7]) if way == "append" else table.append_decode(["a"], [7])
+    assert table.skipped_checkpoints() == 0 and table.num_tokens("a") == 3 and table.take_pending_copies() == []
+    gpu.fail = False
+    table.append("a", 1, [7]) if way == "append" else table.append_decode(["a"], [7])
+    assert table.skipped_checkpoints() == 1 and table.num_tokens("a") == 4
+    table.check_invariants()
+
+
+def test_a_sequence_moved_to_another_table_is_not_taken_for_a_repeat():
+    from pagedkv.tiers.hybrid_host_tier import HybridHostTier
+
+    gpu = HostBackend(capacity_bytes=1 << 24)
+    cache = PagedKvCache(config(), [64, 64, None], gpu, num_state_slots=8)
+    tier = HybridHostTier(cache, [16, 16, None], gpu, num_state_slots=4)
+    first, second = SequenceTable(cache, None, gpu), SequenceTable(cache, None, gpu)
+    first.add("s", [1, 2, 3])
+    first.append_decode(["s"], [4])  # the record carries this call's mark
+    second.swap_in(first.swap_out("s", tier))
+    second.append_decode(["s"], [5])  # the other table's first call: never the same mark
+    assert second.num_tokens("s") == 5
+    second.check_invariants()
