@@ -57,3 +57,20 @@ def test_past_its_timeout_the_child_is_killed(env):
 
 def test_it_steps_aside_when_turned_off(env):
     assert zygote.run(dict(env, **{zygote.DISABLE_ENV: "1"}), "pass", 60) is None
+
+
+def test_a_run_interrupted_between_request_and_reply_leaves_the_next_runs_in_step(env, monkeypatch):
+    from multiprocessing.connection import Connection
+
+    real_poll = Connection.poll
+
+    def interrupted(self, timeout=0.0):  # a ^C or a signal-based timeout while the child runs
+        monkeypatch.setattr(Connection, "poll", real_poll)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Connection, "poll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        zygote.run(env, "import time\ntime.sleep(0.2)\nprint('two')", 60)
+    for word in ("three", "four"):  # each reads its own reply, not the interrupted child's exit code
+        done = zygote.run(env, f"print('{word}')", 60)
+        assert (done.returncode, done.stdout) == (0, f"{word}\n")

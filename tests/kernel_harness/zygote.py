@@ -155,8 +155,21 @@ def run(env: dict, script: str, timeout: float) -> subprocess.CompletedProcess |
         _busy.release()
 
 
+def _drop(key) -> None:
+    """Forget the zygote of `key` and end it (its replies may no longer match our requests)."""
+    entry = _zygotes.pop(key, None)
+    if entry is None:
+        return
+    proc, conn = entry
+    conn.close()
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
 def _run(env: dict, script: str, timeout: float) -> subprocess.CompletedProcess | None:
     conn = _zygote(env)
+    key = _startup_key(env)
     args = [sys.executable, "-c", script]
     with tempfile.TemporaryDirectory(prefix="pkv-zygote-") as tmp:
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -164,16 +177,27 @@ def _run(env: dict, script: str, timeout: float) -> subprocess.CompletedProcess 
             conn.send((dict(env), script, out_path, err_path))
             pid = conn.recv()
         except (EOFError, OSError):  # the zygote died: forget it, run an ordinary subprocess
-            _zygotes.pop(_startup_key(env), None)
+            _drop(key)
             return None
-        deadline = time.monotonic() + timeout
-        timed_out = not conn.poll(max(0.0, deadline - time.monotonic()))
-        if timed_out:
+        except BaseException:  # interrupted between request and reply: the replies would be out of step
+            _drop(key)
+            raise
+        try:
+            deadline = time.monotonic() + timeout
+            timed_out = not conn.poll(max(0.0, deadline - time.monotonic()))
+            if timed_out:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            returncode = conn.recv()
+        except BaseException:  # (the child's exit code would be read as the next run's pid)
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
-        returncode = conn.recv()
+            _drop(key)
+            raise
         with open(out_path, encoding="utf-8", errors="replace") as f:
             stdout = f.read()
         with open(err_path, encoding="utf-8", errors="replace") as f:
