@@ -1,4 +1,5 @@
-"""Importing pagedkv needs no GPU, loads no CUDA library, and exposes every public name."""
+"""Importing pagedkv needs no GPU, loads no CUDA library (nor ml_dtypes, until bf16/fp8 arrays are
+used), and exposes every public name."""
 
 import inspect
 import json
@@ -35,6 +36,7 @@ import json, sys
 import pytest
 
 import pagedkv
+ml_dtypes_at_import = "ml_dtypes" in sys.modules  # (0.5 s to import: loaded on first use of bf16/fp8 arrays)
 from pagedkv import HostBackend, KvCacheConfig, PagedKvCache
 gpu = HostBackend(1 << 20)
 cache = PagedKvCache(KvCacheConfig(block_size=4, num_kv_heads=1, head_dim=16, num_layers=1, dtype="bf16"), 2, gpu)
@@ -44,6 +46,7 @@ print("RESULT " + json.dumps({
     "libcuda": "libcuda" in maps,
     "libnvrtc": "libnvrtc" in maps,
     "modules": sorted(m for m in sys.modules if m.startswith(("cuda", "torch", "cupy"))),
+    "ml_dtypes_at_import": ml_dtypes_at_import,
 }))
 """
 
@@ -53,7 +56,8 @@ def test_import_loads_no_cuda_library():
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    assert json.loads(line[len("RESULT "):]) == {"libcuda": False, "libnvrtc": False, "modules": []}
+    assert json.loads(line[len("RESULT "):]) == {"libcuda": False, "libnvrtc": False, "modules": [],
+                                                 "ml_dtypes_at_import": False}
 
 
 def test_issue_names_are_exported():

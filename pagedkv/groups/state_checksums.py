@@ -22,24 +22,29 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import ml_dtypes
 import numpy as np
 
 from ..backends.protocol import Bf16Stats, GpuBackend
 from ..core.exact_sum import float_stats
+from ..core.lazy_dtypes import ml
 from ..core.log import get_logger
 from .state_pools import StatePools
 
 _log = get_logger("diagnostics")
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 _BY_VALUE = {np.dtype(t) for t in (np.float16, np.float32, np.int8, np.uint8, np.int16, np.uint16)}
+
+
+def _is_bf16(dtype: np.dtype) -> bool:
+    """ml_dtypes' bfloat16 (a dtype of that name exists only once ml_dtypes is imported, so
+    asking never imports it for other dtypes)."""
+    return dtype.name == "bfloat16" and dtype == np.dtype(ml().bfloat16)
 
 
 def summed_over(dtype: np.dtype) -> str:
     """"values" when a state tensor of `dtype` is checksummed by value, "bytes" otherwise."""
     dtype = np.dtype(dtype)
-    return "values" if dtype == _BF16 or dtype in _BY_VALUE else "bytes"
+    return "values" if _is_bf16(dtype) or dtype in _BY_VALUE else "bytes"
 
 
 def slot_stats(pools: StatePools, layer: int, tensor: int, slots: np.ndarray, gpu: GpuBackend,
@@ -50,7 +55,7 @@ def slot_stats(pools: StatePools, layer: int, tensor: int, slots: np.ndarray, gp
     shape, dtype = pools.group().state[tensor]
     if slots.size == 0:
         return Bf16Stats(0.0, 0.0, 0.0)
-    if dtype == _BF16:
+    if _is_bf16(np.dtype(dtype)):
         return gpu.reduce_bf16_blocks(pools.regions(), pools.region_index(layer, tensor), slots, stream)
     nbytes = pools.tensor_bytes(tensor)
     raw = np.empty((slots.size, nbytes), np.uint8)
