@@ -560,11 +560,19 @@ class PagedKvCache(GuardedCalls, PoolHolders, CacheGeometry):
         """`layer`'s K pool as a zero-copy DLPack tensor on `gpu` (work on `stream`); see
         `pagedkv.views`. Kept: the same (layer, gpu, stream, readonly) gives the same view
         object (its prepared export too) for the cache's life."""
+        if type(layer) is int and type(stream) is int and stream == 0 and readonly is False:
+            kept = self._views.get(("K", layer))  # the usual call: (gpu, view) of the default stream
+            if kept is not None and kept[0] is gpu and self._pools.is_live():
+                return kept[1]
         return self._view(layer, "K", gpu, stream, readonly)
 
     def v_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
         """`layer`'s V pool as a zero-copy DLPack tensor (the K view under `v_aliases_k`);
         kept like `k_view`."""
+        if type(layer) is int and type(stream) is int and stream == 0 and readonly is False:
+            kept = self._views.get(("V", layer))
+            if kept is not None and kept[0] is gpu and self._pools.is_live():
+                return kept[1]
         return self._view(layer, "V", gpu, stream, readonly)
 
     def _view(self, layer, side: str, gpu, stream, readonly):
@@ -592,6 +600,8 @@ class PagedKvCache(GuardedCalls, PoolHolders, CacheGeometry):
         view = PoolView(self, layer, side, gpu, stream, readonly)
         if key is not None:
             self._views[key] = view
+            if type(stream) is int and stream == 0 and not readonly:
+                self._views[(side, layer)] = (gpu, view)  # k_view / v_view's first lookup
         return view
 
 

@@ -3,6 +3,7 @@ exports, numpy's refusal of bfloat16 / float8 reaching the caller intact, and bi
 
 from __future__ import annotations
 
+import gc
 
 import ml_dtypes
 import numpy as np
@@ -19,7 +20,14 @@ def make(dtype: str, gpu) -> PagedKvCache:
 
 @pytest.fixture
 def gpu():
-    return HostBackend(capacity_bytes=1 << 24)
+    """A HostBackend; the collector is run first and kept off during the test, so that an
+    earlier test's cyclic garbage holding exports is not freed between two counts."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield HostBackend(capacity_bytes=1 << 24)
+    finally:
+        gc.enable()
 
 
 def test_a_view_is_kept_per_layer_side_backend_stream_and_readonly(gpu):
