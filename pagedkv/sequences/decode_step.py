@@ -15,6 +15,7 @@ appends release each before the next allocates, so the block ids may differ).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set as AbstractSet
 from typing import Any, Hashable, Sequence
 
 from ..core.guard import guarded
@@ -29,12 +30,16 @@ another table (swap_out / swap_in) can never carry a mark that table's next call
 
 
 def decode_arguments(seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> tuple[Sequence[Hashable], list[int]]:
-    """A decode step's `(seq_ids, token ids)` checked: the ids a list or tuple (another sized
-    iterable is listed; TypeError for None, a str or bytes), the tokens valid ids (TypeError /
-    ValueError naming a bad one), ValueError when their lengths differ."""
+    """A decode step's `(seq_ids, token ids)` checked: the ids a list or tuple (another sized,
+    ordered iterable is listed; TypeError for None, a str or bytes, and for a set, whose
+    order would pair ids and tokens by hash), the tokens valid ids (TypeError / ValueError
+    naming a bad one), ValueError when their lengths differ."""
     if type(seq_ids) is not list and type(seq_ids) is not tuple:
         if seq_ids is None or isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
             raise TypeError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r:.60}")
+        if isinstance(seq_ids, AbstractSet):
+            raise TypeError(f"seq_ids must be ordered (a list or tuple: the i-th id takes the i-th token), got "
+                            f"{type(seq_ids).__name__} {seq_ids!r:.60}")
         seq_ids = list(seq_ids)
     tokens = checked_token_ids(token_ids, "token_ids") if type(token_ids) is list else \
         valid_token_ids(token_ids, "token_ids")
@@ -57,8 +62,9 @@ class DecodeSteps:
 
         All or nothing. Refused before anything changes: ValueError when the two lengths
         differ, an id repeats, or a sequence holds drafts of a lookahead (take them back
-        with `append` or `truncate`); KeyError for an unknown id; TypeError/ValueError
-        naming a bad token id (as `append`). KvCacheExhausted when the step's new blocks
+        with `append` or `truncate`); KeyError for an unknown id; TypeError when `seq_ids`
+        is not an ordered sized collection (None, a str, a set) or an id is unhashable;
+        TypeError/ValueError naming a bad token id (as `append`). KvCacheExhausted when the step's new blocks
         run out, and a backend error while initialising or copying them, leave every
         sequence as it was and the new blocks freed; cached blocks the prefix cache evicted
         to make room stay evicted (every count stays consistent)."""
@@ -71,7 +77,11 @@ class DecodeSteps:
         starts: list[int] = []  # the step starts, before this call, of the records counted in the pass
         later: list[tuple[Any, int]] = []  # (record, token) to grow after the pass
         for seq_id, token in zip(seq_ids, tokens):
-            seq = get(seq_id)
+            try:
+                seq = get(seq_id)
+            except TypeError:  # an unhashable id: what this pass counted goes back
+                self._undo_counted(seq_ids, starts, later)
+                raise TypeError(f"sequence id {seq_id!r:.60} is unhashable: no sequence has it") from None
             if seq is None or seq.mark == mark:
                 self._undo_counted(seq_ids, starts, later)
                 raise self._refused(seq_id, seq, mark)

@@ -18,7 +18,7 @@ from .hybrid_records import _HSeq, _Undo
 
 class HybridAppend:
     """Mixed into `HybridSequenceTable` (it sets `_groups`, `_prefix`, `_seqs`, `_guard`,
-    `_attn`, `_states`, `_bs`, `_window`, `_every`, `_hash_unit`; `_span`, `_checkpoints_in`,
+    `_attn`, `_states`, `_bs`, `_window`, `_every`, `_hash_unit`, `_pending`, `_skipped`; `_span`, `_checkpoints_in`,
     `_alloc_checkpoints`, `_init_blocks` and `_copy` come from `HybridAllocation`,
     `_release_extra` and `_offer_released` from `HybridOffers`, `_get` from the table)."""
 

@@ -13,7 +13,7 @@ from .hybrid_records import _HSeq, _Undo
 
 
 class HybridDecodeStep:
-    """Mixed into `HybridSequenceTable` (it sets `_groups`, `_seqs`, `_pending`, `_skipped`,
+    """Mixed into `HybridSequenceTable` (it sets `_groups`, `_seqs`, `_pending`, `_skipped`;
     `_plan_step` and `_commit_step` come from `HybridAppend`)."""
 
     @guarded
@@ -43,8 +43,9 @@ class HybridDecodeStep:
         matches, different).
 
         All or nothing. Refused before anything changes: ValueError when the two lengths
-        differ or an id repeats; KeyError for an unknown id; TypeError/ValueError naming a bad
-        token id (as `append`). KvCacheExhausted when a group's new blocks run out, and a
+        differ or an id repeats; KeyError for an unknown id; TypeError when `seq_ids` is not an
+        ordered sized collection (None, a str, a set) or an id is unhashable; TypeError/ValueError
+        naming a bad token id (as `append`). KvCacheExhausted when a group's new blocks run out, and a
         backend error while initialising or copying them, leave every sequence as it was and
         the step's new blocks and slots freed; cached entries the prefix cache evicted to make
         room stay evicted. A checkpoint no slot is left for is skipped, as in `append`."""
@@ -54,7 +55,10 @@ class HybridDecodeStep:
         records: list[_HSeq] = []
         later: list[tuple[_HSeq, int]] = []  # (record, token) for the full path, in order
         for seq_id, token in zip(seq_ids, tokens):
-            seq = get(seq_id)
+            try:
+                seq = get(seq_id)
+            except TypeError:
+                raise TypeError(f"sequence id {seq_id!r:.60} is unhashable: no sequence has it") from None
             if seq is None:
                 raise KeyError(f"unknown sequence {seq_id!r}")
             if seq.mark == mark:

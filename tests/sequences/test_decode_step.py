@@ -158,6 +158,9 @@ def test_bad_input_is_refused_and_changes_nothing():
     refused(table, ["a", "b"], [1, 2.0], TypeError, r"token_ids\[1\] must be an int")
     refused(table, ["a", "b"], [True, 2], TypeError, r"token_ids\[0\] must be an int")
     refused(table, "ab", [1, 2], TypeError, "seq_ids must be a list")
+    refused(table, ["a", ["x"]], [1, 2], TypeError, r"sequence id \['x'\] is unhashable")  # after "a" was counted
+    refused(table, {"a", "b"}, [1, 2], TypeError, "seq_ids must be ordered")
+    refused(table, frozenset(["a"]), [1], TypeError, "seq_ids must be ordered")
     table.append("c", 1, [9], lookahead=2)
     refused(table, ["a", "c"], [1, 2], ValueError, "sequence 'c' holds 2 draft position")
     table.append_decode(("a", "b"), np.array([10, 11]))  # a tuple and an integer array are taken

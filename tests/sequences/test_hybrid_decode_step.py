@@ -218,6 +218,8 @@ def test_bad_input_is_refused_and_changes_nothing():
     refused(table, ["a", "b"], [1, 2.0], TypeError, r"token_ids\[1\] must be an int")
     refused(table, ["a", "b"], [True, 2], TypeError, r"token_ids\[0\] must be an int")
     refused(table, "ab", [1, 2], TypeError, "seq_ids must be a list")
+    refused(table, ["a", ["x"]], [1, 2], TypeError, r"sequence id \['x'\] is unhashable")
+    refused(table, {"a", "b"}, [1, 2], TypeError, "seq_ids must be ordered")
     table.append_decode(("a", "b"), np.array([10, 11]))  # a tuple and an integer array are taken
     assert (table.num_tokens("a"), table.num_tokens("b")) == (4, 5)
     assert table._seqs["a"].tokens == [1, 2, 3, 10]
