@@ -29,11 +29,10 @@ import random
 import sys
 import time
 
-
 import pagedkv
 from floors import ceiling, floor
-from timing import warnings_only
 from pagedkv import PagedKvCache, PrefixCache, SequenceTable
+from timing import warnings_only
 
 BLOCK_SIZE = 16
 NUM_SEQS = 256

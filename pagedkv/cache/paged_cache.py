@@ -561,9 +561,9 @@ class PagedKvCache(GuardedCalls, PoolHolders, CacheGeometry):
         `pagedkv.views`. Kept: the same (layer, gpu, stream, readonly) gives the same view
         object (its prepared export too) for the cache's life."""
         if type(layer) is int and type(stream) is int and stream == 0 and readonly is False:
-            kept = self._views.get(("K", layer))  # the usual call: (gpu, view) of the default stream
-            if kept is not None and kept[0] is gpu and self._pools.is_live():
-                return kept[1]
+            kept = self._views.get(("K", layer))  # the usual call: the default stream's view
+            if kept is not None and kept._gpu is gpu and self._pools.is_live():
+                return kept
         return self._view(layer, "K", gpu, stream, readonly)
 
     def v_view(self, layer: int, gpu: GpuBackend, stream=0, readonly: bool = False):
@@ -571,8 +571,8 @@ class PagedKvCache(GuardedCalls, PoolHolders, CacheGeometry):
         kept like `k_view`."""
         if type(layer) is int and type(stream) is int and stream == 0 and readonly is False:
             kept = self._views.get(("V", layer))
-            if kept is not None and kept[0] is gpu and self._pools.is_live():
-                return kept[1]
+            if kept is not None and kept._gpu is gpu and self._pools.is_live():
+                return kept
         return self._view(layer, "V", gpu, stream, readonly)
 
     def _view(self, layer, side: str, gpu, stream, readonly):
@@ -601,7 +601,7 @@ class PagedKvCache(GuardedCalls, PoolHolders, CacheGeometry):
         if key is not None:
             self._views[key] = view
             if type(stream) is int and stream == 0 and not readonly:
-                self._views[(side, layer)] = (gpu, view)  # k_view / v_view's first lookup
+                self._views[(side, layer)] = view  # k_view / v_view's first lookup (one per side and layer)
         return view
 
 

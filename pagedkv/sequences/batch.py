@@ -121,16 +121,14 @@ class KeptBatch:
     def _gather(self, seqs: list[Any], rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """int64 (step starts, num_tokens) of `seqs`; of the whole batch (`rows` None) the
         kept arrays' views (valid until the next change: callers read, never keep them)."""
-        if rows is None:
-            n = len(seqs)
-            if not self.gathered:
-                self.starts[:n] = np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n)
-                self.counts[:n] = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
-                self.gathered = True
-            return self.starts[:n], self.counts[:n]
         n = len(seqs)
-        return (np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n),
-                np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n))
+        if rows is None and self.gathered:
+            return self.starts[:n], self.counts[:n]
+        starts = np.fromiter([s.step_start for s in seqs], dtype=np.int64, count=n)
+        counts = np.fromiter([s.num_tokens for s in seqs], dtype=np.int64, count=n)
+        if rows is None:
+            self.starts[:n], self.counts[:n], self.gathered = starts, counts, True
+        return starts, counts
 
     def _touch(self, row: int) -> None:
         if row < self.lo:
@@ -200,27 +198,6 @@ class KeptBatch:
             self.lo = row
         if row >= self.hi:
             self.hi = row + 1
-
-    def blocks_appended(self, seqs: list[Any]) -> None:
-        """`block_appended` of each of `seqs` (distinct records, each grown by one block at
-        its end), in one call."""
-        self.gathered = False
-        width = max(len(seq.blocks) for seq in seqs)
-        if width > self.table.shape[1]:
-            self._reserve(len(self.seqs), width)
-        table, tail, lens = self.table, self.tail, self.lens
-        lo, hi = self.lo, self.hi
-        for seq in seqs:
-            row, blocks = seq.row, seq.blocks
-            k = len(blocks)
-            table[row, k - 1] = tail[row] = blocks[-1]
-            lens[row] = k
-            if row < lo:
-                lo = row
-            if row >= hi:
-                hi = row + 1
-        self.lo, self.hi = lo, hi
-        self.pt_grown += len(seqs)
 
     def rewrite(self, seq: Any) -> None:
         """Write `seq`'s row again from its record (after any change of its blocks or `dropped`)."""

@@ -52,7 +52,6 @@ class DecodeSteps:
     """Mixed into `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_window`, `_gpu`,
     `_stream`, `_guard`, `_init`, `_pending_copies`, `_deliver`, `_batch`)."""
 
-
     @guarded
     def append_decode(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> None:
         """One decode step: sequence `seq_ids[i]` gets the one token `token_ids[i]`, for
@@ -64,10 +63,10 @@ class DecodeSteps:
         differ, an id repeats, or a sequence holds drafts of a lookahead (take them back
         with `append` or `truncate`); KeyError for an unknown id; TypeError when `seq_ids`
         is not an ordered sized collection (None, a str, a set) or an id is unhashable;
-        TypeError/ValueError naming a bad token id (as `append`). KvCacheExhausted when the step's new blocks
-        run out, and a backend error while initialising or copying them, leave every
-        sequence as it was and the new blocks freed; cached blocks the prefix cache evicted
-        to make room stay evicted (every count stays consistent)."""
+        TypeError/ValueError naming a bad token id (as `append`). KvCacheExhausted when the
+        step's new blocks run out, and a backend error while initialising or copying them,
+        leave every sequence as it was and the new blocks freed; cached blocks the prefix
+        cache evicted to make room stay evicted (every count stays consistent)."""
         seq_ids, tokens = decode_arguments(seq_ids, token_ids)
         mark = next(DECODE_MARKS)
         batch = self._batch
@@ -139,20 +138,18 @@ class DecodeSteps:
         fresh: list[int] = []
         try:
             for seq, token in later:  # each decided and allocated in the per-call appends' order
-                if seq.num_tokens == (seq.dropped + len(seq.blocks)) * bs:  # a block boundary
+                boundary = seq.num_tokens == (seq.dropped + len(seq.blocks)) * bs
+                copy = False
+                if not boundary and seq.maybe_shared:
+                    last = seq.blocks[-1]
+                    copy = ref_count(last) - dropping.get(last, 0) > 1
+                    if copy:
+                        dropping[last] = dropping.get(last, 0) + 1
+                block = -1
+                if boundary or copy:
                     block = alloc()
                     fresh.append(block)
-                    plan.append((seq, token, block, False))
-                    continue
-                if seq.maybe_shared:
-                    last = seq.blocks[-1]
-                    if ref_count(last) - dropping.get(last, 0) > 1:
-                        dropping[last] = dropping.get(last, 0) + 1
-                        block = alloc()
-                        fresh.append(block)
-                        plan.append((seq, token, block, True))
-                        continue
-                plan.append((seq, token, -1, False))
+                plan.append((seq, token, block, copy))
             pairs = [(seq.blocks[-1], block) for seq, _token, block, copy in plan if copy]
             self._init([block for _seq, _token, block, copy in plan if block >= 0 and not copy])
             if pairs:
@@ -164,7 +161,7 @@ class DecodeSteps:
             for block in reversed(fresh):
                 allocator.dec_ref(block)
             raise
-        batch, released, appended = self._batch, [], []
+        batch, released = self._batch, []
         for seq, token, block, copy in plan:  # nothing below fails
             blocks, old = seq.blocks, seq.num_tokens
             if copy:
@@ -181,14 +178,12 @@ class DecodeSteps:
                 seq.tokens, seq.tokens_known = [], False  # no longer offered to the prefix cache
                 batch.rewrite(seq)
             elif block >= 0 and not copy:
-                appended.append(seq)
+                batch.block_appended(seq)
             else:
                 batch.rewrite(seq)
             seq.num_tokens, seq.step_start = old + 1, old
             if seq.tokens_known:
                 seq.tokens.append(token)
             seq.room = (seq.dropped + len(blocks)) * bs  # (`settle`: no drafts, no longer shared)
-        if appended:
-            batch.blocks_appended(appended)
         if released:
             allocator.free_blocks(released)
