@@ -122,6 +122,23 @@ def int64_bytes_of_ids(values: list) -> bytes | None:
     return data
 
 
+def step_arguments(n_tokens: object, ids: object) -> tuple[int, list[int] | None]:
+    """An append step's `(n_tokens, token ids)`, checked: the ids (None, or valid token ids
+    as `token_ids` returns them, named "token_ids") and `n_tokens` as a non-negative int,
+    defaulting to their count (else 1); ValueError naming both when they disagree."""
+    if ids is not None:
+        ids = token_ids(ids, "token_ids")
+        if n_tokens is None:
+            n_tokens = len(ids)
+        elif n_tokens != len(ids):
+            raise ValueError(f"n_tokens is {n_tokens!r} but {len(ids)} token ids were given")
+    elif n_tokens is None:
+        n_tokens = 1
+    if type(n_tokens) is not int or n_tokens < 0:  # type: ignore[operator]
+        n_tokens = non_negative_int(n_tokens, "n_tokens")
+    return n_tokens, ids  # type: ignore[return-value]
+
+
 def _token_sequence(values: object, what: str) -> list:
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or not (values.size == 0 or np.issubdtype(values.dtype, np.integer)):

@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from ..core.guard import guarded
-from ..core.validate import MAX_TOKEN_ID, non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int, step_arguments
 from .block_keys import cut_at
 
 
 class DraftingSteps:
     """Mixed into `SequenceTable` (it sets `_seqs`, `_bs`, `_cache`, `_window`, `_guard`,
-    `_get`, `_init`, `_copy`, `_deliver`, `_step_arguments`, `_batch`)."""
+    `_get`, `_init`, `_copy`, `_deliver`, `_batch`)."""
 
     @guarded
     def _append_drafting(self, seq_id: Hashable, n_tokens: object, token_ids: object, lookahead: object) -> None:
@@ -30,7 +30,7 @@ class DraftingSteps:
         ):  # a step's few plain ids pass without building a copy
             n_tokens = len(token_ids)
         else:
-            n_tokens, token_ids = self._step_arguments(n_tokens, token_ids)
+            n_tokens, token_ids = step_arguments(n_tokens, token_ids)
         lookahead = non_negative_int(lookahead, "lookahead")
         old = seq.num_tokens - seq.lookahead  # the committed end
         self._reshape(seq, old, old + n_tokens + lookahead, n_tokens + lookahead)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Hashable, Sequence
 
 from ..core.guard import guarded
-from ..core.validate import MAX_TOKEN_ID, non_negative_int
+from ..core.validate import MAX_TOKEN_ID, non_negative_int, step_arguments
 from ..core.validate import token_ids as valid_token_ids
 from .block_keys import extra_key_ranges, with_ranges
 from .hybrid_records import _HSeq, _Undo
@@ -116,13 +116,8 @@ class HybridAppend:
                 and 0 <= token_ids[0] <= MAX_TOKEN_ID
                 and (n_tokens is None or (type(n_tokens) is int and n_tokens == 1))):
             n_tokens = 1  # a decode step's one valid id: no copy to validate
-        elif token_ids is not None:
-            token_ids = valid_token_ids(token_ids, "token_ids")
-            if n_tokens is None:
-                n_tokens = len(token_ids)
-            elif n_tokens != len(token_ids):
-                raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
-        n_tokens = non_negative_int(1 if n_tokens is None else n_tokens, "n_tokens")
+        else:
+            n_tokens, token_ids = step_arguments(n_tokens, token_ids)
         undo = _Undo(self._groups)
         pending, skipped = len(self._pending), dict(self._skipped)
         try:

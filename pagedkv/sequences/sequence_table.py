@@ -28,8 +28,7 @@ from ..cache.hybrid_cache import HybridKvCache
 from ..cache.paged_cache import PagedKvCache
 from ..core.guard import ThreadGuard, guarded
 from ..core.streams import stream_handle
-from ..core.validate import MAX_TOKEN_ID, non_negative_int, token_ids_and_bytes
-from ..core.validate import token_ids as valid_token_ids
+from ..core.validate import MAX_TOKEN_ID, non_negative_int, step_arguments, token_ids_and_bytes
 from ..errors import KvCacheError
 from .batch import KeptBatch
 from .block_keys import block_keys, extra_key_ranges, with_ranges
@@ -43,22 +42,6 @@ from .reuse import PrefixReuse
 __all__ = ["Exported", "PageTable", "SequenceTable"]
 
 _MAX_TOKEN_ID = MAX_TOKEN_ID
-
-
-def _step_arguments(n_tokens: object, token_ids: object) -> tuple[int, list[int] | None]:
-    """`append`'s (n_tokens, token_ids), checked: ids under the one token-id rule, n_tokens
-    defaulting to their count (else 1) and agreeing with it."""
-    if token_ids is not None:
-        token_ids = valid_token_ids(token_ids, "token_ids")
-        if n_tokens is None:
-            n_tokens = len(token_ids)
-        elif n_tokens != len(token_ids):
-            raise ValueError(f"n_tokens is {n_tokens!r} but {len(token_ids)} token ids were given")
-    elif n_tokens is None:
-        n_tokens = 1
-    if type(n_tokens) is not int or n_tokens < 0:  # type: ignore[operator]
-        n_tokens = non_negative_int(n_tokens, "n_tokens")
-    return n_tokens, token_ids  # type: ignore[return-value]
 
 
 class _Seq:
@@ -113,7 +96,6 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             return HybridSequenceTable(cache, *args, **kwargs)
         return super().__new__(cls)
 
-    _step_arguments = staticmethod(_step_arguments)  # for the drafting side
 
     def __init__(
         self,
@@ -306,7 +288,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
         """`append` with extra keys for the step's tokens: checked first, attached once the
         append succeeded."""
         seq = self._get(seq_id)
-        n, _ = _step_arguments(n_tokens, token_ids)
+        n, _ = step_arguments(n_tokens, token_ids)
         ranges = extra_key_ranges(extra_keys)
         for i, (offset, length, _key) in enumerate(ranges):
             if offset + length > n:
@@ -358,7 +340,7 @@ class SequenceTable(SequenceExports, LengthExports, SequenceQueries, DraftingSte
             ):  # a decode step's one id passes without building a copy
                 n_tokens = 1
             else:
-                n_tokens, token_ids = _step_arguments(n_tokens, token_ids)
+                n_tokens, token_ids = step_arguments(n_tokens, token_ids)
             old = seq.num_tokens
             total = old + n_tokens
             if total > seq.room:
